@@ -73,10 +73,14 @@ class Cell:
     heading: str
     module: str | None = None  # target module for exported cells, else None
     anchor: str = ""
+    option_lines: dict = field(default_factory=dict)  # option key -> its 1-based line
 
     @property
     def where(self) -> str:
         return f"{self.chapter}:{self.fence_line}"
+
+    def where_option(self, key: str) -> str:
+        return f"{self.chapter}:{self.option_lines.get(key, self.fence_line)}"
 
 
 @dataclass
@@ -86,6 +90,7 @@ class Chapter:
     module: str | None
     modules: list[str]
     cells: list[Cell] = field(default_factory=list)
+    module_line: int = 1  # 1-based line of 'module:' in the front matter
 
 
 def _yaml():
@@ -157,6 +162,16 @@ def parse_options(opt_lines: list[str], where: str) -> dict:
     return data
 
 
+def _key_lines(lines: list[str], first: int) -> dict[str, int]:
+    """1-based line of the first ``key:`` or ``:key:`` among lines numbered from ``first``."""
+    out: dict[str, int] = {}
+    for n, line in enumerate(lines):
+        m = re.match(r"^\s*:?([A-Za-z0-9_-]+):", line)
+        if m:
+            out.setdefault(m.group(1), first + n)
+    return out
+
+
 def slug(text: str) -> str:
     text = re.sub(r"[`*_$\\{}]", "", text).strip()
     return re.sub(r"\s+", " ", text)
@@ -177,6 +192,10 @@ def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
         if not isinstance(m, str) or not MODULE_RE.match(m):
             raise TangleError(f"{rel}:1", f"invalid module name {m!r} in front matter")
     chapter = Chapter(rel, index, module, list(modules))
+    conf_at = next((n for n in range(1, i) if lines[n].startswith(f"{PACKAGE}:")), None)
+    if conf_at is not None:  # the npformer: block runs until the next unindented line
+        end = next((n for n in range(conf_at + 1, i) if not lines[n][:1].isspace()), i)
+        chapter.module_line = _key_lines(lines[conf_at + 1 : end], conf_at + 2).get("module", 1)
     heading = Path(rel).stem
     while i < len(lines):
         line = lines[i]
@@ -220,6 +239,7 @@ def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
                 code = code[1:]
                 code_line += 1
             cell = Cell(rel, start + 1, code_line, "\n".join(code), opts, heading)
+            cell.option_lines = _key_lines(opt_lines, start + 2)
             chapter.cells.append(cell)
         i = j + 1
     return chapter
@@ -233,7 +253,8 @@ def assign_targets(chapter: Chapter) -> None:
         target = cell.options.get("module")
         if "export" not in tags:
             if target is not None:
-                raise TangleError(cell.where, "cell names a ':module:' but is not tagged 'export'")
+                where = cell.where_option("module")
+                raise TangleError(where, "cell names a ':module:' but is not tagged 'export'")
             continue
         if target is None:
             if chapter.module is None:
@@ -244,11 +265,11 @@ def assign_targets(chapter: Chapter) -> None:
                 )
             target = chapter.module
         if not isinstance(target, str) or not MODULE_RE.match(target):
-            raise TangleError(cell.where, f"invalid module name {target!r}")
+            raise TangleError(cell.where_option("module"), f"invalid module name {target!r}")
         allowed = ([chapter.module] if chapter.module else []) + chapter.modules
         if target not in allowed:
             raise TangleError(
-                cell.where,
+                cell.where_option("module"),
                 f"unknown target module {target!r}: this chapter declares "
                 f"{allowed or 'no modules'}; add it to '{PACKAGE}: modules:' "
                 "in the front matter",
@@ -267,8 +288,8 @@ def top_level_names(tree: ast.Module) -> list[tuple[str, int]]:
             out.append((node.name, node.lineno))
         elif isinstance(node, ast.Assign):
             for t in node.targets:
-                for n in ast.walk(t):
-                    if isinstance(n, ast.Name):
+                for n in ast.walk(t):  # `d[k] = v` and `obj.a = v` define no name
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                         out.append((n.id, node.lineno))
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             out.append((node.target.id, node.lineno))
@@ -349,7 +370,7 @@ def load_book(root: Path) -> Book:
         if ch.module:
             if ch.module in owners:
                 raise TangleError(
-                    f"{ch.path}:1",
+                    f"{ch.path}:{ch.module_line}",
                     f"module {ch.module!r} is already the module of {owners[ch.module]}; "
                     f"a chapter that adds to it must list it under '{PACKAGE}: modules:'",
                 )
@@ -412,6 +433,12 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
     for d in definitions.values():
         by_name.setdefault(d.name, []).append(d)
     packages = {p for m in module_names for p in _parents(m)}
+    first: dict[str, Definition] = {}  # module or package -> the cell that first writes to it
+    for ch in chapters:
+        for ci, cell in enumerate(ch.cells):
+            if cell.module is not None:
+                for m in [cell.module] + _parents(cell.module):
+                    first.setdefault(m, Definition(m, m, cell, ch.index, ci, cell.fence_line))
     for ch in chapters:
         for ci, cell in enumerate(ch.cells):
             tree = trees.get(id(cell))
@@ -432,7 +459,10 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
                         continue
                 if mod not in module_names and mod not in packages:
                     raise TangleError(where, f"no chapter exports module '{PACKAGE}.{mod}'")
-                if name is None or f"{mod}.{name}" in module_names | packages:
+                if name is not None and f"{mod}.{name}" in module_names | packages:
+                    mod, name = f"{mod}.{name}", None
+                if name is None:
+                    _check_order(first[mod], ch, ci, where, f"{PACKAGE}.{mod}")
                     continue
                 d = definitions.get((mod, name))
                 if d is None and mod in packages:  # re-exported by the sub-package
@@ -536,7 +566,8 @@ def render_init(book: Book, pkg: str) -> str:
     for m in mods:
         public = book.exports.get(m, [])
         if not public:
-            lines.append(f"from {PACKAGE} import {m}  # noqa: F401")
+            parent, _, leaf = f"{PACKAGE}.{m}".rpartition(".")
+            lines.append(f"from {parent} import {leaf}  # noqa: F401")
             continue
         for n in public:
             if n in names:
@@ -629,7 +660,8 @@ def _blame(book: Book, rel: str) -> str:
     return ", ".join(chapters) if chapters else "no chapter (it is an orphan)"
 
 
-def tangle(root: Path, check: bool = False, force: bool = False, out=sys.stdout) -> int:
+def tangle(root: Path, check: bool = False, force: bool = False, out=None) -> int:
+    out = sys.stdout if out is None else out
     book, files, _, changed, edited, orphans = plan(root)
     if check:
         for rel in changed:

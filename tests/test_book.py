@@ -1,0 +1,59 @@
+"""The book's chapters are valid notebooks, and failures point back into the book."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import tangle  # noqa: E402
+
+jupytext = pytest.importorskip("jupytext")
+
+CHAPTERS = [c for c in tangle.read_toc(ROOT) if "jupytext" in (ROOT / c).read_text()[:400]]
+# jupytext stamps its own version into the front matter; that line may differ.
+VERSION_LINE = re.compile(r"^\s*jupytext_version: .*$", re.M)
+
+
+def test_every_toc_chapter_is_a_jupytext_notebook():
+    assert len(CHAPTERS) >= 5
+    for chapter in CHAPTERS:
+        nb = jupytext.read(ROOT / chapter)
+        assert nb.metadata["kernelspec"]["name"] == "python3", chapter
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chapter_round_trips_through_ipynb_unchanged(chapter):
+    text = (ROOT / chapter).read_text(encoding="utf-8")
+    ipynb = jupytext.writes(jupytext.reads(text, fmt="md:myst"), fmt="ipynb")
+    back = jupytext.writes(jupytext.reads(ipynb, fmt="ipynb"), fmt="md:myst")
+    assert VERSION_LINE.sub("", back) == VERSION_LINE.sub("", text)
+
+
+def test_round_trip_keeps_export_markers_in_cell_metadata():
+    nb = jupytext.read(ROOT / "book/linear.md")
+    exported = [c for c in nb.cells if "export" in c.metadata.get("tags", [])]
+    assert {c.metadata.get("module", "linear") for c in exported} >= {"module", "linear"}
+    assert nb.metadata["npformer"]["module"] == "linear"
+
+
+def test_failure_report_names_the_book_line():
+    """The conftest hook maps a frame in src/npformer to the chapter line that wrote it."""
+    import conftest
+    import npformer
+
+    try:
+        npformer.Linear(3, 2).forward(__import__("numpy").ones((2, 4), dtype="float32"))
+    except ValueError as exc:
+        tb = pytest.ExceptionInfo.from_exception(exc).traceback
+    locations = conftest.book_locations(tb)
+    assert any(re.search(r"src/npformer/module\.py:\d+ is written in book/linear\.md:\d+", s)
+               for s in locations), locations
+    # and the mapped book line really is the line of code that raised
+    loc = next(s for s in locations if "module.py" in s).split(" is written in ")[1]
+    path, line = loc.split(":")
+    assert "raise ValueError" in (ROOT / path).read_text().splitlines()[int(line) - 1]
