@@ -44,6 +44,7 @@ def test_round_trip_keeps_export_markers_in_cell_metadata():
 def test_failure_report_names_the_book_line():
     """The conftest hook maps a frame in src/npformer to the chapter line that wrote it."""
     import conftest
+
     import npformer
 
     try:
