@@ -173,8 +173,10 @@ def _key_lines(lines: list[str], first: int) -> dict[str, int]:
 
 
 def slug(text: str) -> str:
-    text = re.sub(r"[`*_$\\{}]", "", text).strip()
-    return re.sub(r"\s+", " ", text)
+    """A heading as plain text: markup dropped, code spans (``zero_grad``) kept verbatim."""
+    parts = re.split(r"(`[^`]*`)", text)
+    text = "".join(p[1:-1] if p[:1] == "`" else re.sub(r"[`*_$\\{}]", "", p) for p in parts)
+    return re.sub(r"\s+", " ", text).strip()
 
 
 def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
@@ -447,16 +449,16 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
             for mod, name, lineno in package_references(tree, cell.module):
                 where = f"{ch.path}:{cell.code_line + lineno - 1}"
                 if mod is None:  # from npformer import name
-                    if name in module_names or name in packages:
-                        mod, name = name, None
-                    else:
-                        cands = [d for d in by_name.get(name, []) if name in exports[d.module]]
-                        if not cands:
-                            raise TangleError(
-                                where, f"'{PACKAGE}.{name}' is not defined by any chapter"
-                            )
+                    # a re-exported name wins over a module of the same name, as at run time
+                    cands = [d for d in by_name.get(name, []) if name in exports[d.module]]
+                    if cands:
                         _check_order(cands[0], ch, ci, where, f"{PACKAGE}.{name}")
                         continue
+                    if name not in module_names and name not in packages:
+                        raise TangleError(
+                            where, f"'{PACKAGE}.{name}' is not defined by any chapter"
+                        )
+                    mod, name = name, None
                 if mod not in module_names and mod not in packages:
                     raise TangleError(where, f"no chapter exports module '{PACKAGE}.{mod}'")
                 if name is not None and f"{mod}.{name}" in module_names | packages:
@@ -490,17 +492,17 @@ def _check_order(d: Definition, ch: Chapter, ci: int, where: str, what: str) -> 
 # --------------------------------------------------------------------------- rendering
 
 
-def _digest(body: str) -> str:
-    return hashlib.sha256(body.encode("utf-8")).hexdigest()[:16]
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def _with_header(sources: list[str], body: str) -> str:
-    header = (
+    """Prepend the header; its hash covers the two lines above it and the body."""
+    lines = (
         f"{HEADER_MARK}{', '.join(sources)}.\n"
         "# Do not edit: edit the book, then run `python tangle.py`.\n"
-        f"{HASH_PREFIX}{_digest(body)}\n"
     )
-    return header + body
+    return f"{lines}{HASH_PREFIX}{_digest(lines + body)}\n{body}"
 
 
 def render(book: Book) -> tuple[dict[str, str], dict[str, list[str | None]]]:
@@ -553,7 +555,7 @@ def render_init(book: Book, pkg: str) -> str:
     mods = [m for m in book.modules if m.startswith(prefix)]
     mods.sort(key=lambda m: _order(book, book.modules[m]))
     if pkg:
-        doc = f'"""{PACKAGE}.{pkg}: generated from the book; see the chapters named below."""\n'
+        doc = f'"""{PACKAGE}.{pkg}: generated from the book; each module names its chapters."""\n'
     else:
         doc = (
             f'"""{PACKAGE}: transformers by hand, in NumPy.\n\n'
@@ -605,7 +607,8 @@ def read_generated(path: Path) -> tuple[str | None, bool]:
         or not lines[2].startswith(HASH_PREFIX)
     ):
         return text, True  # not ours, or its header was edited: treat as hand-written
-    return text, lines[2][len(HASH_PREFIX) :].strip() != _digest(lines[3])
+    signed = f"{lines[0]}\n{lines[1]}\n{lines[3]}"
+    return text, lines[2][len(HASH_PREFIX) :].strip() != _digest(signed)
 
 
 def existing_generated(root: Path) -> list[str]:
@@ -657,7 +660,11 @@ def _blame(book: Book, rel: str) -> str:
             if f"src/{PACKAGE}/{m.replace('.', '/')}.py" == rel
         }
     )
-    return ", ".join(chapters) if chapters else "no chapter (it is an orphan)"
+    if chapters:
+        return ", ".join(chapters)
+    if rel.endswith("__init__.py"):
+        return "the chapters whose exports it lists (it is rebuilt from them)"
+    return "a chapter (no chapter produces this file now)"
 
 
 def tangle(root: Path, check: bool = False, force: bool = False, out=None) -> int:
