@@ -552,7 +552,12 @@ def _order(book: Book, cells: list[Cell]) -> tuple[int, int]:
 
 def render_init(book: Book, pkg: str) -> str:
     prefix = f"{pkg}." if pkg else ""
-    mods = [m for m in book.modules if m.startswith(prefix)]
+    # dunder modules such as __main__ are entry points, never imported by the package
+    mods = [
+        m
+        for m in book.modules
+        if m.startswith(prefix) and not m.rsplit(".", 1)[-1].startswith("__")
+    ]
     mods.sort(key=lambda m: _order(book, book.modules[m]))
     if pkg:
         doc = f'"""{PACKAGE}.{pkg}: generated from the book; each module names its chapters."""\n'

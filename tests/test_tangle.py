@@ -305,6 +305,23 @@ def test_a_normal_run_removes_an_emptied_sub_package_directory(tmp_path):
     assert run(root, "--check") == 0
 
 
+def test_a_main_module_is_generated_but_never_imported_by_the_package(tmp_path):
+    book = {
+        "cli": chapter(
+            prose("# CLI"),
+            cell("def main():\n    return 0", export=True),
+            cell("from npformer.cli import main\n\nif __name__ == '__main__':\n    main()",
+                 export=True, module="__main__"),
+            module="cli",
+            modules=("__main__",),
+        )
+    }
+    root = tangled(tmp_path, book)
+    assert (root / SRC / "__main__.py").exists()
+    init = (root / SRC / "__init__.py").read_text(encoding="utf-8")
+    assert "from npformer.cli import main" in init and "__main__" not in init
+
+
 # --------------------------------------------------------------------------- write only if changed
 
 
