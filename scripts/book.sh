@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "${NPFORMER_EXTRAS:-book,dev}"
 source .venv/bin/activate
+# One BLAS thread: the training cells then reproduce the committed logs of the full
+# runs step for step, and a busy machine cannot oversubscribe its cores.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 python tangle.py
 # -W: warnings are errors; -n: nitpicky cross-references. Chapters run in fresh
 # kernels and their outputs are cached in _build/.jupyter_cache.
