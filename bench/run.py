@@ -1,0 +1,622 @@
+"""Benchmark one full npformer training step against an equivalent PyTorch eager model.
+
+    .venv/bin/python bench/run.py                      # full run, 2 threads, prints a table
+    .venv/bin/python bench/run.py --json bench/results.json
+    .venv/bin/python bench/run.py --quick              # smoke run: few repeats
+
+For each configuration (the encoder seed, Mini-BERT with its masked-LM head, the baby
+GPT) both sides start from the same float32 weights (copied from the npformer model
+into plain torch.nn modules), see the same batch and run the same step: forward, loss,
+backward, global-norm clipping at 1.0 and AdamW (the same decay groups). The two steps
+are timed interleaved (npformer, torch, npformer, torch, ...) after a warm-up, in one
+process, with the same thread count on both sides (OPENBLAS/OMP/MKL_NUM_THREADS set
+before numpy is imported, threadpoolctl, torch.set_num_threads; OPENBLAS_THREAD_TIMEOUT=4
+so that numpy's idle BLAS threads stop spinning on the cores torch's threads need, unless
+the environment sets it already). The first step of each
+side is a correctness check: the losses must agree to rtol 1e-4 and the pre-clip
+gradient norms to rtol 1e-3, or the script stops. Dropout is 0 on both sides, so that
+the two computations are the same function.
+
+Reported per configuration: the median step times and their ratio npformer / torch;
+FLOPs per step (``train_flops``, below); achieved GFLOP/s; MFU against the float32
+matmul peak measured at the start (a 2048 x 2048 np.matmul, best of several); the peak
+traced memory of a fresh npformer model + AdamW + one step (tracemalloc traces numpy's
+allocations) beside the estimate of ``formula_memory``. Last, tokens/s of npf.generate
+for 256 new tokens with and without the KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _threads_from_argv(argv: list[str]) -> int:
+    """--threads N (or --threads=N) read before numpy is imported; default 2."""
+    for i, arg in enumerate(argv):
+        if arg == "--threads" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--threads="):
+            return int(arg.split("=", 1)[1])
+    return 2
+
+
+if __name__ == "__main__":  # BLAS reads these once, when numpy loads it
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = str(_threads_from_argv(sys.argv[1:]))
+    # OpenBLAS's idle threads spin for a while after each call; interleaved with torch
+    # on few cores they steal the cores torch's threads need (measured: torch's step
+    # about 2x slower). 4 (= 2^4 cycles, the minimum) makes them yield almost at once.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import npformer as npf  # noqa: E402
+from npformer.generate import generate  # noqa: E402
+from npformer.losses import mse_loss, next_token_loss  # noqa: E402
+from npformer.models.bert import bert_mask_tokens, mlm_step_loss  # noqa: E402
+from npformer.optim import AdamW, clip_grad_norm  # noqa: E402
+
+MB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------- formulas
+@dataclass
+class Shape:
+    """What the FLOP and memory formulas need to know about one training step."""
+
+    name: str
+    B: int  # batch
+    T: int  # sequence length
+    L: int  # blocks
+    d: int  # d_model
+    H: int  # heads
+    ff: int  # FFN width
+    V: int  # vocabulary
+    head_rows: int  # rows through the output head (B T for GPT, the N masked ones for BERT)
+    head_dense: bool  # BERT's MLM head has a d x d transform before the decoder
+    n_params: int  # parameters (tied ones once)
+    largest_param: int  # elements of the largest parameter array
+
+
+def train_flops(s: Shape) -> dict[str, float]:
+    """FLOPs of one training step (forward + backward), counting matmuls only.
+
+    A matmul of an (m, k) by a (k, n) matrix costs 2 m k n FLOPs forward and twice
+    that backward (the gradients of both operands), 6 m k n in all. So a weight matrix
+    of P elements applied to N rows costs 6 N P per step:
+
+        blocks:    6 * (B T) * L * (4 d^2 + 2 d ff)        (fused QKV 3 d^2, output d^2, FFN)
+        head:      6 * R * (d V + [d^2 for BERT's dense])   R = rows through the head
+        attention: 12 * L * B * T^2 * d                     (Q K^T and P V: 2 * 2 B T^2 d
+                                                            forward, x3 with backward)
+
+    R is B T for GPT (every position is scored; the head is the tied wte), the N masked
+    positions for BERT's forward_mlm, and 0 for the encoder (its loss is on the hidden
+    states). The causal mask does not halve the attention term: npformer and the torch
+    twin compute the full T x T scores. Embedding lookups, norms, activations, softmax
+    and the optimiser are O(N d) or O(params) and left out, as in the usual 6 N P rule.
+    """
+    N = s.B * s.T
+    blocks = 6 * N * s.L * (4 * s.d * s.d + 2 * s.d * s.ff)
+    head = 6 * s.head_rows * (s.d * s.V + (s.d * s.d if s.head_dense else 0))
+    attention = 12 * s.L * s.B * s.T * s.T * s.d
+    return {"blocks": blocks, "head": head, "attention": attention,
+            "total": blocks + head + attention}
+
+
+def formula_memory(s: Shape) -> dict[str, float]:
+    """Estimated peak bytes of a fresh npformer model + AdamW + one training step, float32.
+
+        state       = 4 bytes * 4 * P          (parameter, gradient, Adam m and v)
+        activations = 4 bytes * [ L * (N (10 d + 3 ff) + 2 B H T^2)
+                                  + 3 N d + 3 R V + (R d if BERT) ]
+        transient   = 4 bytes * 5 * P_max      (AdamW's and clipping's temporaries)
+
+    with N = B T tokens, R the rows through the output head, P_max the largest parameter
+    array. Per block npformer keeps, until the backward pass, about ten (N, d) arrays
+    (the norms' x_hat and outputs, Q K V, the merged heads, the residual sums, the block
+    output), three (N, ff) ones (the FFN's hidden state, the activation's cache and
+    output) and the attention weights P (B, H, T, T), with the scores of the same size
+    alive while P is formed. The head adds the logits, their softmax and dlogits
+    (R, V); the embeddings sum three (N, d) arrays. Adam's update builds m_hat, v_hat
+    and their quotient for one parameter at a time, and clipping squares a gradient in
+    float64, so the largest parameter sets the transient term.
+    """
+    N = s.B * s.T
+    state = 4 * 4 * s.n_params
+    acts = s.L * (N * (10 * s.d + 3 * s.ff) + 2 * s.B * s.H * s.T * s.T)
+    acts += 3 * N * s.d + 3 * s.head_rows * s.V + (s.head_rows * s.d if s.head_dense else 0)
+    transient = 5 * s.largest_param
+    total = state + 4 * acts + 4 * transient
+    return {"state_mb": state / MB, "activations_mb": 4 * acts / MB,
+            "transient_mb": 4 * transient / MB, "total_mb": total / MB}
+
+
+# ------------------------------------------------------------------------ torch twins
+def build_torch(torch):
+    """The torch.nn twins of the three npformer models (a closure over the torch module)."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Attention(nn.Module):
+        def __init__(self, d: int, n_head: int, causal: bool) -> None:
+            super().__init__()
+            self.n_head, self.causal = n_head, causal
+            self.qkv = nn.Linear(d, 3 * d)  # the same fused layout as npformer's
+            self.proj = nn.Linear(d, d)
+
+        def forward(self, x):
+            B, T, d = x.shape
+            H = self.n_head
+            q, k, v = self.qkv(x).view(B, T, 3, H, d // H).permute(2, 0, 3, 1, 4)
+            s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d // H))  # (B, H, T, T)
+            if self.causal:
+                mask = torch.ones(T, T, dtype=torch.bool).tril()
+                s = s.masked_fill(~mask, float("-inf"))
+            out = torch.softmax(s, dim=-1) @ v  # (B, H, T, d_head)
+            return self.proj(out.transpose(1, 2).reshape(B, T, d))
+
+    class MLP(nn.Module):
+        def __init__(self, d: int, ff: int, act: str) -> None:
+            super().__init__()
+            self.fc, self.proj = nn.Linear(d, ff), nn.Linear(ff, d)
+            self.act = nn.GELU() if act == "gelu" else nn.ReLU()
+
+        def forward(self, x):
+            return self.proj(self.act(self.fc(x)))
+
+    class Block(nn.Module):
+        def __init__(self, d, n_head, ff, *, prenorm, act, causal, eps) -> None:
+            super().__init__()
+            self.prenorm = prenorm
+            self.ln_1 = nn.LayerNorm(d, eps=eps)
+            self.attn = Attention(d, n_head, causal)
+            self.ln_2 = nn.LayerNorm(d, eps=eps)
+            self.mlp = MLP(d, ff, act)
+
+        def forward(self, x):
+            if self.prenorm:  # GPT-2
+                x = x + self.attn(self.ln_1(x))
+                return x + self.mlp(self.ln_2(x))
+            h = self.ln_1(x + self.attn(x))  # BERT and the encoder: post-LN
+            return self.ln_2(h + self.mlp(h))
+
+    class Encoder(nn.Module):
+        def __init__(self, c, pe: np.ndarray) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(c.vocab_size, c.d_model)
+            self.register_buffer("pe", torch.from_numpy(pe.copy()))
+            self.h = nn.ModuleList([Block(c.d_model, c.n_head, c.d_ff, prenorm=False,
+                                          act="relu", causal=False, eps=c.eps)
+                                    for _ in range(c.n_layer)])
+            self.ln_f = nn.LayerNorm(c.d_model, eps=c.eps)
+
+        def loss(self, ids):
+            target = self.wte.weight[ids].detach()  # a constant, as npformer's target()
+            x = self.wte(ids) + self.pe[:ids.shape[1]]
+            for block in self.h:
+                x = block(x)
+            return F.mse_loss(self.ln_f(x), target)
+
+    class MLMHead(nn.Module):
+        def __init__(self, d: int, V: int, eps: float) -> None:
+            super().__init__()
+            self.dense, self.act = nn.Linear(d, d), nn.GELU()
+            self.ln = nn.LayerNorm(d, eps=eps)
+            self.bias = nn.Parameter(torch.zeros(V))
+
+    class BERT(nn.Module):
+        def __init__(self, c) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(c.vocab_size, c.d_model)
+            self.wpe = nn.Embedding(c.block_size, c.d_model)
+            self.type_emb = nn.Embedding(c.type_vocab_size, c.d_model)
+            self.ln_emb = nn.LayerNorm(c.d_model, eps=c.eps)
+            self.h = nn.ModuleList([Block(c.d_model, c.n_head, c.d_ff, prenorm=False,
+                                          act="gelu", causal=False, eps=c.eps)
+                                    for _ in range(c.n_layer)])
+            self.mlm = MLMHead(c.d_model, c.vocab_size, c.eps)
+
+        def loss(self, ids, positions, y):
+            T = ids.shape[1]
+            x = self.wte(ids) + self.wpe.weight[:T] + self.type_emb.weight[0]  # segment 0
+            h = self.ln_emb(x)
+            for block in self.h:
+                h = block(h)
+            z = self.mlm.ln(self.mlm.act(self.mlm.dense(h[positions])))  # (N, H)
+            return F.cross_entropy(z @ self.wte.weight.T + self.mlm.bias, y)  # tied decoder
+
+    class GPT(nn.Module):
+        def __init__(self, c) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(c.vocab_size, c.d_model)
+            self.wpe = nn.Embedding(c.block_size, c.d_model)
+            self.h = nn.ModuleList([Block(c.d_model, c.n_head, c.d_ff, prenorm=True,
+                                          act="gelu", causal=True, eps=c.eps)
+                                    for _ in range(c.n_layer)])
+            self.ln_f = nn.LayerNorm(c.d_model, eps=c.eps)
+
+        def loss(self, ids):
+            T = ids.shape[1]
+            x = self.wte(ids) + self.wpe.weight[:T]
+            for block in self.h:
+                x = block(x)
+            logits = self.ln_f(x) @ self.wte.weight.T  # (B, T, V), tied head
+            V = logits.shape[-1]
+            return F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+
+    return {"encoder": Encoder, "mini_bert": BERT, "gpt_baby": GPT}
+
+
+def copy_weights(torch, npf_model, torch_model) -> dict[int, str]:
+    """Copy every npformer parameter into the torch twin; return id(torch param) -> name.
+
+    Names match module by module: Linear W (d_in, d_out) -> weight (d_out, d_in) and
+    b -> bias; Embedding W -> weight; LayerNorm gamma/beta -> weight/bias; any other
+    parameter (BERT's mlm.bias) by its own name. Every parameter must be used once.
+    """
+    nn = torch.nn
+    src = {name: p for name, p, _ in npf_model.named_parameters()}
+    names: dict[int, str] = {}
+
+    def put(t_param, np_name: str, transpose: bool = False) -> None:
+        arr = src.pop(np_name)
+        arr = arr.T if transpose else arr
+        if tuple(t_param.shape) != arr.shape:
+            raise SystemExit(f"copy_weights: {np_name} {arr.shape} vs torch {t_param.shape}")
+        with torch.no_grad():
+            t_param.copy_(torch.from_numpy(np.ascontiguousarray(arr)))
+        names[id(t_param)] = np_name
+
+    done: set[int] = set()
+    for mname, mod in torch_model.named_modules():
+        pre = mname + "." if mname else ""
+        if isinstance(mod, nn.Linear):
+            put(mod.weight, pre + "W", transpose=True)
+            put(mod.bias, pre + "b")
+        elif isinstance(mod, nn.Embedding):
+            put(mod.weight, pre + "W")
+        elif isinstance(mod, nn.LayerNorm):
+            put(mod.weight, pre + "gamma")
+            put(mod.bias, pre + "beta")
+        else:
+            continue
+        done.update(id(p) for p in mod.parameters())
+    for pname, p in torch_model.named_parameters():
+        if id(p) not in done:
+            put(p, pname)
+    if src:
+        raise SystemExit(f"copy_weights: npformer parameters left unmapped: {sorted(src)}")
+    return names
+
+
+# ------------------------------------------------------------------------ the configs
+@dataclass
+class Case:
+    shape: Shape
+    make_npf: Callable[[], object]  # a fresh npformer model (the same weights each call)
+    npf_loss: Callable[[object], float]  # forward + loss + backward; returns the loss
+    torch_loss: Callable[[object], object]  # forward + loss; returns the loss tensor
+    betas: tuple[float, float]
+    weight_decay: float
+    lr: float
+
+
+def make_cases(torch, twins) -> dict[str, Case]:
+    rng = np.random.default_rng(0)
+    cases = {}
+
+    # Encoder seed: MSE reconstruction of wte.W[ids].
+    ec = npf.EncoderConfig()
+    ids_e = rng.integers(0, ec.vocab_size, (32, ec.block_size))
+    ids_e_t = torch.from_numpy(ids_e)
+
+    def enc_np(model) -> float:
+        loss, dout = mse_loss(model.forward(ids_e), model.target(ids_e))
+        model.backward(dout)
+        return loss
+
+    n = sum(p.size for _, p, _ in npf.Encoder(ec).named_parameters())
+    big = max(p.size for _, p, _ in npf.Encoder(ec).named_parameters())
+    cases["encoder"] = Case(
+        Shape("encoder", 32, ec.block_size, ec.n_layer, ec.d_model, ec.n_head, ec.d_ff,
+              ec.vocab_size, 0, False, n, big),
+        lambda: npf.Encoder(ec, seed=0), enc_np, lambda m: m.loss(ids_e_t),
+        (0.9, 0.999), 0.01, 1e-3)
+
+    # Mini-BERT: the chapter's masked-LM step (forward_mlm on the masked rows only).
+    bc = npf.BERTConfig(dropout=0.0)
+    special = np.arange(5)  # [PAD] [UNK] [CLS] [SEP] [MASK]
+    rows = rng.integers(5, bc.vocab_size, (8, bc.block_size))
+    rows[:, 0], rows[:, -1] = 2, 3
+    inputs, targets = bert_mask_tokens(rows, rng, bc.vocab_size, 4, special, p=0.15)
+    positions = targets != -100
+    inputs_t, pos_t = torch.from_numpy(inputs), torch.from_numpy(positions)
+    y_t = torch.from_numpy(targets[positions])
+
+    def bert_np(model) -> float:
+        return mlm_step_loss(model, inputs, targets)[0]
+
+    probe = npf.BERT(bc)
+    cases["mini_bert"] = Case(
+        Shape("mini_bert", 8, bc.block_size, bc.n_layer, bc.d_model, bc.n_head, bc.d_ff,
+              bc.vocab_size, int(positions.sum()), True,
+              sum(p.size for _, p, _ in probe.named_parameters()),
+              max(p.size for _, p, _ in probe.named_parameters())),
+        lambda: npf.BERT(bc, seed=0), bert_np, lambda m: m.loss(inputs_t, pos_t, y_t),
+        (0.9, 0.999), 0.01, 1e-3)
+
+    # GPT baby: next-token loss over every position.
+    gc_ = npf.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, d_model=128)
+    ids_g = rng.integers(0, gc_.vocab_size, (12, gc_.block_size))
+    ids_g_t = torch.from_numpy(ids_g)
+
+    def gpt_np(model) -> float:
+        loss, dlogits = next_token_loss(model.forward(ids_g), ids_g)
+        model.backward(dlogits)
+        return loss
+
+    probe = npf.GPT(gc_, seed=0)
+    cases["gpt_baby"] = Case(
+        Shape("gpt_baby", 12, gc_.block_size, gc_.n_layer, gc_.d_model, gc_.n_head, gc_.d_ff,
+              gc_.vocab_size, 12 * gc_.block_size, False,
+              sum(p.size for _, p, _ in probe.named_parameters()),
+              max(p.size for _, p, _ in probe.named_parameters())),
+        lambda: npf.GPT(gc_, seed=0), gpt_np, lambda m: m.loss(ids_g_t),
+        (0.9, 0.99), 0.1, 1e-3)
+    return cases
+
+
+# ---------------------------------------------------------------------------- running
+def matmul_peak(n: int = 2048, repeats: int = 7) -> float:
+    """Best float32 np.matmul rate in GFLOP/s (2 n^3 FLOPs per product)."""
+    a = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+    b = np.random.default_rng(2).standard_normal((n, n), dtype=np.float32)
+    out = np.empty((n, n), dtype=np.float32)
+    np.matmul(a, b, out=out)  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def npf_stepper(case: Case, model):
+    opt = AdamW(model.named_parameters(), lr=case.lr, betas=case.betas,
+                weight_decay=case.weight_decay)
+
+    def step() -> tuple[float, float]:
+        opt.zero_grad()
+        loss = case.npf_loss(model)
+        norm = clip_grad_norm(model.named_parameters(), 1.0)
+        opt.step()
+        return loss, norm
+
+    return step, opt
+
+
+def torch_stepper(torch, case: Case, model, names: dict[int, str], decay: dict[str, bool]):
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if decay[names[id(p)]]],
+               "weight_decay": case.weight_decay},
+              {"params": [p for p in params if not decay[names[id(p)]]], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=case.lr, betas=case.betas,
+                            eps=1e-8)
+
+    def step() -> tuple[float, float]:
+        opt.zero_grad(set_to_none=True)
+        loss = case.torch_loss(model)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.item(), norm.item()
+
+    return step
+
+
+def traced_peak_mb(case: Case) -> float:
+    """Peak traced bytes of building the npformer model and AdamW and one step."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        model = case.make_npf()
+        step, _ = npf_stepper(case, model)
+        step()
+        return tracemalloc.get_traced_memory()[1] / MB
+    finally:
+        tracemalloc.stop()
+
+
+def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
+               peak_gflops: float) -> dict:
+    model = case.make_npf()
+    tmodel = twins[key](model.config, model.pe) if key == "encoder" else twins[key](model.config)
+    names = copy_weights(torch, model, tmodel)
+    np_step, opt = npf_stepper(case, model)
+    t_step = torch_stepper(torch, case, tmodel, names, opt.decay)
+
+    loss_np, norm_np = np_step()  # the first steps: the correctness check
+    loss_t, norm_t = t_step()
+    if not math.isclose(loss_np, loss_t, rel_tol=1e-4):
+        raise SystemExit(f"{key}: losses differ: npformer {loss_np!r}, torch {loss_t!r}")
+    if not math.isclose(norm_np, norm_t, rel_tol=1e-3):
+        raise SystemExit(f"{key}: gradient norms differ: npformer {norm_np!r}, torch {norm_t!r}")
+
+    for _ in range(warmup):
+        np_step()
+        t_step()
+    gc.collect()
+    t_np, t_t = [], []
+    for _ in range(repeats):  # interleaved: A B A B ...
+        t0 = time.perf_counter()
+        np_step()
+        t1 = time.perf_counter()
+        t_step()
+        t2 = time.perf_counter()
+        t_np.append(t1 - t0)
+        t_t.append(t2 - t1)
+    np_ms, t_ms = 1e3 * statistics.median(t_np), 1e3 * statistics.median(t_t)
+    flops = train_flops(case.shape)
+    achieved = flops["total"] / (np_ms / 1e3) / 1e9
+    mem = formula_memory(case.shape)
+    peak = traced_peak_mb(case)
+    return {
+        "ratio_vs_torch": np_ms / t_ms,
+        "npformer_ms": np_ms,
+        "torch_ms": t_ms,
+        "gflops": achieved,  # achieved GFLOP/s of the npformer step
+        "mfu": achieved / peak_gflops,
+        "peak_mem_mb": peak,
+        "formula_mem_mb": mem["total_mb"],
+        "formula_mem_parts_mb": {k: v for k, v in mem.items() if k != "total_mb"},
+        "gflop_per_step": flops["total"] / 1e9,
+        "flops_parts": flops,
+        "torch_gflops": flops["total"] / (t_ms / 1e3) / 1e9,
+        "torch_mfu": flops["total"] / (t_ms / 1e3) / 1e9 / peak_gflops,
+        "npformer_ms_min": 1e3 * min(t_np),
+        "torch_ms_min": 1e3 * min(t_t),
+        "repeats": repeats,
+        "warmup": warmup,
+        "n_params": case.shape.n_params,
+        "tokens_per_step": case.shape.B * case.shape.T,
+        "first_loss": {"npformer": loss_np, "torch": loss_t},
+        "first_grad_norm": {"npformer": norm_np, "torch": norm_t},
+    }
+
+
+def bench_kv_cache(new_tokens: int, repeats: int, prompt_len: int = 16) -> dict:
+    """Greedy generation of new_tokens from a baby-GPT-shaped model, with and without cache.
+
+    The baby GPT's block_size of 64 would make both paths fall back to recomputing a
+    64-token window, so this model has block_size = prompt_len + new_tokens (the same
+    layers, d_model, heads and vocabulary; only the position table is longer). B = 1.
+    """
+    c = npf.GPTConfig(vocab_size=65, block_size=prompt_len + new_tokens, n_layer=4, n_head=4,
+                      d_model=128)
+    model = npf.GPT(c, seed=0)
+    prompt = np.random.default_rng(3).integers(0, c.vocab_size, (1, prompt_len))
+    out, times = {}, {True: [], False: []}
+    generate(model, prompt, 8, temperature=0.0, use_cache=True)  # warm-up
+    for _ in range(repeats):
+        for use_cache in (True, False):
+            t0 = time.perf_counter()
+            out[use_cache] = generate(model, prompt, new_tokens, temperature=0.0,
+                                      use_cache=use_cache)
+            times[use_cache].append(time.perf_counter() - t0)
+    with_s, without_s = statistics.median(times[True]), statistics.median(times[False])
+    return {
+        "new_tokens": new_tokens,
+        "speedup": without_s / with_s,
+        "tokens_per_s_cache": new_tokens / with_s,
+        "tokens_per_s_no_cache": new_tokens / without_s,
+        "seconds_cache": with_s,
+        "seconds_no_cache": without_s,
+        "prompt_len": prompt_len,
+        "batch": 1,
+        "repeats": repeats,
+        "same_tokens": bool(np.array_equal(out[True], out[False])),
+    }
+
+
+def machine_info(threads: int, torch) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                               "MKL_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT")},
+    }
+    try:
+        from threadpoolctl import threadpool_info
+
+        info["blas"] = [{k: d.get(k) for k in ("internal_api", "version", "num_threads")}
+                        for d in threadpool_info()]
+    except ImportError:
+        pass
+    return info
+
+
+def print_table(res: dict) -> None:
+    print(f"\nfloat32 matmul peak: {res['matmul_peak_gflops']:.1f} GFLOP/s "
+          f"({res['machine']['threads']} threads)")
+    head = (f"{'config':<10} {'npf ms':>9} {'torch ms':>9} {'ratio':>6} {'GFLOP':>7} "
+            f"{'GFLOP/s':>8} {'MFU':>6} {'peak MB':>8} {'formula':>8}")
+    print(head)
+    print("-" * len(head))
+    for key, r in res["configs"].items():
+        print(f"{key:<10} {r['npformer_ms']:9.2f} {r['torch_ms']:9.2f} "
+              f"{r['ratio_vs_torch']:6.2f} {r['gflop_per_step']:7.3f} {r['gflops']:8.1f} "
+              f"{100 * r['mfu']:5.1f}% {r['peak_mem_mb']:8.1f} {r['formula_mem_mb']:8.1f}")
+    kv = res["kv_cache"]
+    print(f"\nKV cache, {kv['new_tokens']} new tokens: {kv['tokens_per_s_cache']:.0f} tok/s "
+          f"with, {kv['tokens_per_s_no_cache']:.0f} tok/s without, "
+          f"speedup {kv['speedup']:.2f}x (same tokens: {kv['same_tokens']})")
+    print(f"total runtime: {res['runtime_s']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2, help="BLAS and torch threads (2)")
+    ap.add_argument("--quick", action="store_true", help="a fast smoke run: few repeats")
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per side")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 40)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+
+    start = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.threads)
+    except ImportError:
+        pass
+    torch.manual_seed(0)
+    twins = build_torch(torch)
+
+    res: dict = {"machine": machine_info(args.threads, torch)}
+    res["matmul_peak_gflops"] = matmul_peak(repeats=3 if args.quick else 7)
+    res["configs"] = {}
+    for key, case in make_cases(torch, twins).items():
+        print(f"{key} ...", file=sys.stderr, flush=True)
+        res["configs"][key] = bench_case(torch, twins, key, case, warmup, repeats,
+                                         res["matmul_peak_gflops"])
+    print("kv_cache ...", file=sys.stderr, flush=True)
+    res["kv_cache"] = bench_kv_cache(256, repeats=1 if args.quick else 3)
+    res["quick"] = bool(args.quick)
+    res["runtime_s"] = time.perf_counter() - start
+    print_table(res)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()
