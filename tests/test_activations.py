@@ -263,3 +263,60 @@ def test_gelu_derivative_proof_rejects_an_unknown_approximate():
 def test_a_non_float32_or_float64_dtype_is_rejected(cls, dtype):
     with pytest.raises(ValueError, match=r"dtype: expected one of \('float32', 'float64'\)"):
         cls(dtype=dtype)
+
+
+# --- the float32 fast path for Phi and phi (Hastings' erfc) against SciPy in float64 ---------
+def test_normal_cdf_pdf_float32_matches_float64_reference():
+    from scipy.special import ndtr
+
+    from npformer.activations import normal_cdf_pdf
+
+    x32 = np.concatenate([np.linspace(-12, 12, 200_001),
+                          [0.0, -0.0, 1e-30, -1e-30, 40, -40, 1e30, -1e30, 3e38, -3e38]]
+                         ).astype(np.float32)
+    x64 = x32.astype(np.float64)
+    Phi, phi = normal_cdf_pdf(x32)
+    assert Phi.dtype == np.float32 and phi.dtype == np.float32
+    # Hastings' bound is 7.5e-8 on Phi; float32 rounding of the rational chain adds a few ulps.
+    assert np.abs(Phi - ndtr(x64)).max() < 4e-7
+    assert np.abs(phi - np.exp(-x64**2 / 2) / np.sqrt(2 * np.pi)).max() < 1e-7
+    assert np.all((Phi >= 0) & (Phi <= 1))
+    assert np.all(np.diff(Phi[:200_001]) >= -1e-7)  # monotone up to rounding
+
+
+def test_normal_cdf_pdf_float64_is_scipy_erf():
+    from scipy.special import erf
+
+    from npformer.activations import normal_cdf_pdf
+
+    x = np.linspace(-9, 9, 1001)
+    Phi, phi = normal_cdf_pdf(x)
+    assert np.array_equal(Phi, (1 + erf(x * math.sqrt(0.5))) / 2)
+    assert np.allclose(phi, np.exp(-x**2 / 2) / np.sqrt(2 * np.pi), rtol=1e-15, atol=0)
+
+
+def test_normal_cdf_pdf_does_not_modify_input_and_handles_inf_nan():
+    from npformer.activations import normal_cdf_pdf
+
+    x = np.array([-np.inf, -1.0, np.nan, 0.0, 2.0, np.inf], dtype=np.float32)
+    keep = x.copy()
+    Phi, phi = normal_cdf_pdf(x)
+    assert np.array_equal(x, keep, equal_nan=True)
+    assert Phi[0] == 0 and Phi[-1] == 1 and phi[0] == 0 and phi[-1] == 0
+    assert np.isnan(Phi[2]) and np.isnan(phi[2])
+    assert Phi[3] == 0.5
+
+
+def test_gelu_float32_fast_path_matches_float64_forward_and_backward():
+    rng = np.random.default_rng(0)
+    x64 = rng.standard_normal((4, 16, 64)) * 3
+    g64 = rng.standard_normal(x64.shape)
+    ref = GELU(dtype="float64")
+    y_ref = ref.forward(x64)
+    dx_ref = ref.backward(g64)
+    fast = GELU(dtype="float32")
+    y = fast.forward(x64.astype(np.float32))
+    dx = fast.backward(g64.astype(np.float32))
+    assert y.dtype == np.float32 and dx.dtype == np.float32
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=3e-6)
+    np.testing.assert_allclose(dx, dx_ref, rtol=0, atol=3e-6)

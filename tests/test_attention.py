@@ -498,3 +498,13 @@ def test_forward_cached_needs_a_causal_layer_and_a_kv_cache():
     message = r"attention_mask: expected shape \(1, 2\) \(B, T\), got \(1, 3\)"
     with pytest.raises(ValueError, match=message):
         MultiHeadAttention(8, 2, causal=True).forward_cached(x, KVCache(4), np.ones((1, 3)))
+
+
+def test_causal_mask_is_built_once_and_read_only():
+    from npformer.attention import causal_mask
+
+    a, b = causal_mask(7), causal_mask(7)
+    assert a is b and not a.flags.writeable
+    with pytest.raises(ValueError):
+        a[0, 1] = True
+    assert np.array_equal(a, np.tril(np.ones((7, 7), dtype=bool)))

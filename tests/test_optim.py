@@ -477,3 +477,46 @@ def test_schedule_arguments_are_validated(schedule, kwargs, match):
 def test_warmup_cosine_min_lr_must_lie_between_zero_and_peak(min_lr):
     with pytest.raises(ValueError, match=r"min_lr: expected a number in \[0, 0.001\]"):
         warmup_cosine(0, peak_lr=1e-3, warmup_steps=10, total_steps=100, min_lr=min_lr)
+
+
+# --- the fast Adam update against the formula as written --------------------------------------
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-12), ("float32", 2e-5)])
+def test_adam_update_equals_reference_over_many_steps(dtype, rtol):
+    from npformer.optim import adam_update, adam_update_reference
+
+    rng = np.random.default_rng(1)
+    p1 = rng.standard_normal((30, 7)).astype(dtype)
+    p2, m1, v1 = p1.copy(), np.zeros_like(p1), np.zeros_like(p1)
+    m2, v2, buf = m1.copy(), v1.copy(), np.empty_like(p1)
+    for t in range(1, 301):
+        g = (rng.standard_normal(p1.shape) * 10.0 ** rng.integers(-4, 3)).astype(dtype)
+        adam_update_reference(p1, g, m1, v1, lr=3e-3, b1=0.9, b2=0.99, eps=1e-8, t=t)
+        adam_update(p2, g, m2, v2, lr=3e-3, b1=0.9, b2=0.99, eps=1e-8, t=t, buf=buf)
+        assert p2.dtype == m2.dtype == v2.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(m2, m1, rtol=rtol, atol=0)
+    np.testing.assert_allclose(v2, v1, rtol=rtol, atol=0)
+    np.testing.assert_allclose(p2, p1, rtol=rtol, atol=0)
+
+
+def test_adam_scratch_is_shared_and_not_saved():
+    a = np.zeros((4, 5), np.float32)
+    b = np.zeros(3, np.float32)
+    opt = Adam([("a", a, np.ones_like(a)), ("b", b, np.ones_like(b))], lr=0.1)
+    opt.step()
+    assert set(opt._scratch) == {np.dtype(np.float32)}
+    assert opt._scratch[np.dtype(np.float32)].size == a.size  # the largest parameter
+    assert not any("scratch" in k for k in opt.state_dict())
+
+
+def test_clip_grad_norm_float32_sum_is_accurate_and_overflow_safe():
+    rng = np.random.default_rng(0)
+    g = (rng.standard_normal(1_500_000) * 1e-3).astype(np.float32)
+    exact = math.sqrt(np.sum(g.astype(np.float64) ** 2))
+    norm = clip_grad_norm([("g", np.zeros_like(g), g.copy())], 1e9)
+    assert abs(norm / exact - 1) < 1e-6
+    huge = np.array([3e19, -4e19], dtype=np.float32)  # squares overflow float32
+    h = huge.copy()
+    norm = clip_grad_norm([("h", np.zeros_like(h), h)], 1.0)
+    assert math.isclose(norm, 5e19, rel_tol=1e-6)
+    assert np.all(np.isfinite(h)) and math.isclose(float(np.linalg.norm(h.astype(np.float64))),
+                                                    1.0, rel_tol=1e-5)

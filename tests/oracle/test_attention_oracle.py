@@ -44,7 +44,7 @@ def explicit_torch_attention(q, k, v, mask):
     s = q @ k.transpose(-1, -2) / np.sqrt(q.shape[-1])
     if mask is None:
         return torch.softmax(s, dim=-1) @ v
-    m = torch.as_tensor(mask).expand(s.shape)
+    m = torch.as_tensor(mask.copy()).expand(s.shape)
     seen = m.any(dim=-1, keepdim=True)
     p = torch.softmax(s.masked_fill(~(m | ~seen), float("-inf")), dim=-1)
     return torch.where(seen, p, torch.zeros_like(p)) @ v
@@ -65,7 +65,7 @@ def test_attention_output_and_gradients_match_torch(mask_name, reference):
     if reference == "explicit softmax":
         outt = explicit_torch_attention(qt, kt, vt, mask)
     else:
-        mt = None if mask is None else torch.as_tensor(mask)
+        mt = None if mask is None else torch.as_tensor(mask.copy())  # causal_mask is read-only
         outt = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mt)
     outt.backward(t(dout))
 
@@ -85,7 +85,7 @@ def test_cross_attention_with_different_lengths_matches_torch():
     out, cache = npf.scaled_dot_product_attention(q, k, v, mask)
     grads = npf.attention_backward(dout, cache)
     qt, kt, vt = t(q, grad=True), t(k, grad=True), t(v, grad=True)
-    outt = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=torch.as_tensor(mask))
+    outt = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=torch.as_tensor(mask.copy()))
     outt.backward(t(dout))
     assert_close(out, outt, "out")
     for name, g, ref in zip(("dq", "dk", "dv"), grads, (qt.grad, kt.grad, vt.grad)):
