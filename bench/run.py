@@ -18,11 +18,14 @@ gradient norms to rtol 1e-3, or the script stops. Dropout is 0 on both sides, so
 the two computations are the same function.
 
 Reported per configuration: the median step times and their ratio npformer / torch;
-FLOPs per step (``train_flops``, below); achieved GFLOP/s; MFU against the float32
-matmul peak measured at the start (a 2048 x 2048 np.matmul, best of several); the peak
-traced memory of a fresh npformer model + AdamW + one step (tracemalloc traces numpy's
-allocations) beside the estimate of ``formula_memory``. Last, tokens/s of npf.generate
-for 256 new tokens with and without the KV cache.
+FLOPs per step (``npformer.perf.train_flops``, derived in book/performance.md); achieved
+GFLOP/s; MFU against the float32 matmul peak measured at the start (a 2048 x 2048
+np.matmul, best of several); the peak traced memory of a fresh npformer model + AdamW +
+one step (tracemalloc traces numpy's allocations) beside the estimate of
+``npformer.perf.formula_memory``. Last, tokens/s of npf.generate for 256 new tokens with
+and without the KV cache. The JSON also records the machine and the date of the run,
+and, after the timing, a profile of a few steps of each side: npformer's functions by
+self time (cProfile) and torch's aten operators by self CPU time (torch.profiler).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -72,81 +76,9 @@ from npformer.generate import generate  # noqa: E402
 from npformer.losses import mse_loss, next_token_loss  # noqa: E402
 from npformer.models.bert import bert_mask_tokens, mlm_step_loss  # noqa: E402
 from npformer.optim import AdamW, clip_grad_norm  # noqa: E402
+from npformer.perf import Shape, formula_memory, shape_of, train_flops  # noqa: E402
 
 MB = 1024 * 1024
-
-
-# ----------------------------------------------------------------------------- formulas
-@dataclass
-class Shape:
-    """What the FLOP and memory formulas need to know about one training step."""
-
-    name: str
-    B: int  # batch
-    T: int  # sequence length
-    L: int  # blocks
-    d: int  # d_model
-    H: int  # heads
-    ff: int  # FFN width
-    V: int  # vocabulary
-    head_rows: int  # rows through the output head (B T for GPT, the N masked ones for BERT)
-    head_dense: bool  # BERT's MLM head has a d x d transform before the decoder
-    n_params: int  # parameters (tied ones once)
-    largest_param: int  # elements of the largest parameter array
-
-
-def train_flops(s: Shape) -> dict[str, float]:
-    """FLOPs of one training step (forward + backward), counting matmuls only.
-
-    A matmul of an (m, k) by a (k, n) matrix costs 2 m k n FLOPs forward and twice
-    that backward (the gradients of both operands), 6 m k n in all. So a weight matrix
-    of P elements applied to N rows costs 6 N P per step:
-
-        blocks:    6 * (B T) * L * (4 d^2 + 2 d ff)        (fused QKV 3 d^2, output d^2, FFN)
-        head:      6 * R * (d V + [d^2 for BERT's dense])   R = rows through the head
-        attention: 12 * L * B * T^2 * d                     (Q K^T and P V: 2 * 2 B T^2 d
-                                                            forward, x3 with backward)
-
-    R is B T for GPT (every position is scored; the head is the tied wte), the N masked
-    positions for BERT's forward_mlm, and 0 for the encoder (its loss is on the hidden
-    states). The causal mask does not halve the attention term: npformer and the torch
-    twin compute the full T x T scores. Embedding lookups, norms, activations, softmax
-    and the optimiser are O(N d) or O(params) and left out, as in the usual 6 N P rule.
-    """
-    N = s.B * s.T
-    blocks = 6 * N * s.L * (4 * s.d * s.d + 2 * s.d * s.ff)
-    head = 6 * s.head_rows * (s.d * s.V + (s.d * s.d if s.head_dense else 0))
-    attention = 12 * s.L * s.B * s.T * s.T * s.d
-    return {"blocks": blocks, "head": head, "attention": attention,
-            "total": blocks + head + attention}
-
-
-def formula_memory(s: Shape) -> dict[str, float]:
-    """Estimated peak bytes of a fresh npformer model + AdamW + one training step, float32.
-
-        state       = 4 bytes * 4 * P          (parameter, gradient, Adam m and v)
-        activations = 4 bytes * [ L * (N (10 d + 3 ff) + 2 B H T^2)
-                                  + 3 N d + 3 R V + (R d if BERT) ]
-        transient   = 4 bytes * 5 * P_max      (AdamW's and clipping's temporaries)
-
-    with N = B T tokens, R the rows through the output head, P_max the largest parameter
-    array. Per block npformer keeps, until the backward pass, about ten (N, d) arrays
-    (the norms' x_hat and outputs, Q K V, the merged heads, the residual sums, the block
-    output), three (N, ff) ones (the FFN's hidden state, the activation's cache and
-    output) and the attention weights P (B, H, T, T), with the scores of the same size
-    alive while P is formed. The head adds the logits, their softmax and dlogits
-    (R, V); the embeddings sum three (N, d) arrays. Adam's update builds m_hat, v_hat
-    and their quotient for one parameter at a time, and clipping squares a gradient in
-    float64, so the largest parameter sets the transient term.
-    """
-    N = s.B * s.T
-    state = 4 * 4 * s.n_params
-    acts = s.L * (N * (10 * s.d + 3 * s.ff) + 2 * s.B * s.H * s.T * s.T)
-    acts += 3 * N * s.d + 3 * s.head_rows * s.V + (s.head_rows * s.d if s.head_dense else 0)
-    transient = 5 * s.largest_param
-    total = state + 4 * acts + 4 * transient
-    return {"state_mb": state / MB, "activations_mb": 4 * acts / MB,
-            "transient_mb": 4 * transient / MB, "total_mb": total / MB}
 
 
 # ------------------------------------------------------------------------ torch twins
@@ -332,11 +264,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
         model.backward(dout)
         return loss
 
-    n = sum(p.size for _, p, _ in npf.Encoder(ec).named_parameters())
-    big = max(p.size for _, p, _ in npf.Encoder(ec).named_parameters())
     cases["encoder"] = Case(
-        Shape("encoder", 32, ec.block_size, ec.n_layer, ec.d_model, ec.n_head, ec.d_ff,
-              ec.vocab_size, 0, False, n, big),
+        shape_of(npf.Encoder(ec), *ids_e.shape, name="encoder"),
         lambda: npf.Encoder(ec, seed=0), enc_np, lambda m: m.loss(ids_e_t),
         (0.9, 0.999), 0.01, 1e-3)
 
@@ -353,12 +282,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     def bert_np(model) -> float:
         return mlm_step_loss(model, inputs, targets)[0]
 
-    probe = npf.BERT(bc)
     cases["mini_bert"] = Case(
-        Shape("mini_bert", 8, bc.block_size, bc.n_layer, bc.d_model, bc.n_head, bc.d_ff,
-              bc.vocab_size, int(positions.sum()), True,
-              sum(p.size for _, p, _ in probe.named_parameters()),
-              max(p.size for _, p, _ in probe.named_parameters())),
+        shape_of(npf.BERT(bc), *rows.shape, head_rows=int(positions.sum()), name="mini_bert"),
         lambda: npf.BERT(bc, seed=0), bert_np, lambda m: m.loss(inputs_t, pos_t, y_t),
         (0.9, 0.999), 0.01, 1e-3)
 
@@ -372,12 +297,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
         model.backward(dlogits)
         return loss
 
-    probe = npf.GPT(gc_, seed=0)
     cases["gpt_baby"] = Case(
-        Shape("gpt_baby", 12, gc_.block_size, gc_.n_layer, gc_.d_model, gc_.n_head, gc_.d_ff,
-              gc_.vocab_size, 12 * gc_.block_size, False,
-              sum(p.size for _, p, _ in probe.named_parameters()),
-              max(p.size for _, p, _ in probe.named_parameters())),
+        shape_of(npf.GPT(gc_), *ids_g.shape, name="gpt_baby"),
         lambda: npf.GPT(gc_, seed=0), gpt_np, lambda m: m.loss(ids_g_t),
         (0.9, 0.99), 0.1, 1e-3)
     return cases
@@ -445,7 +366,7 @@ def traced_peak_mb(case: Case) -> float:
 
 
 def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
-               peak_gflops: float) -> dict:
+               peak_gflops: float, profile_steps: int = 0) -> dict:
     model = case.make_npf()
     tmodel = twins[key](model.config, model.pe) if key == "encoder" else twins[key](model.config)
     names = copy_weights(torch, model, tmodel)
@@ -473,6 +394,9 @@ def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
         t_np.append(t1 - t0)
         t_t.append(t2 - t1)
     np_ms, t_ms = 1e3 * statistics.median(t_np), 1e3 * statistics.median(t_t)
+    profiles = {"steps": profile_steps,
+                "npformer": profile_npformer(np_step, profile_steps),
+                "torch": profile_torch(torch, t_step, profile_steps)} if profile_steps else None
     flops = train_flops(case.shape)
     achieved = flops["total"] / (np_ms / 1e3) / 1e9
     mem = formula_memory(case.shape)
@@ -498,7 +422,66 @@ def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
         "tokens_per_step": case.shape.B * case.shape.T,
         "first_loss": {"npformer": loss_np, "torch": loss_t},
         "first_grad_norm": {"npformer": norm_np, "torch": norm_t},
+        "profile": profiles,
     }
+
+
+def _npformer_qualnames() -> dict[tuple[str, int], str]:
+    """(file, first line) -> qualified name, for every function and method of npformer."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    names = {}
+    for info in pkgutil.walk_packages(npf.__path__, "npformer."):
+        if info.name.endswith("__main__"):
+            continue
+        mod = importlib.import_module(info.name)
+        for obj in vars(mod).values():
+            funcs = [obj] if inspect.isfunction(obj) else (
+                [v for v in vars(obj).values() if inspect.isfunction(v)]
+                if inspect.isclass(obj) else [])
+            for f in funcs:
+                if f.__module__ == mod.__name__:
+                    names[(f.__code__.co_filename, f.__code__.co_firstlineno)] = f.__qualname__
+    return names
+
+
+def profile_npformer(step, steps: int, top: int = 15) -> dict:
+    """cProfile of `steps` steps: total and the functions with the most self time, per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    qual = _npformer_qualnames()
+    rows = []
+    for (file, line, func), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
+        if file == "~":  # a C function: {method 'reduce' of 'numpy.ufunc' objects} and such
+            name = func
+        else:
+            name = qual.get((file, line), f"{Path(file).name}:{func}")
+        rows.append({"name": name, "ms": 1e3 * tottime / steps})
+    total = sum(r["ms"] for r in rows)
+    rows.sort(key=lambda r: -r["ms"])
+    return {"total_ms": total, "top": [{**r, "share": r["ms"] / total} for r in rows[:top]]}
+
+
+def profile_torch(torch, step, steps: int, top: int = 15) -> dict:
+    """torch.profiler over `steps` steps: total and the operators with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages()
+    rows = [{"name": e.key, "ms": e.self_cpu_time_total / 1e3 / steps} for e in events]
+    total = sum(r["ms"] for r in rows)
+    rows.sort(key=lambda r: -r["ms"])
+    return {"total_ms": total, "top": [{**r, "share": r["ms"] / total} for r in rows[:top]]}
 
 
 def bench_kv_cache(new_tokens: int, repeats: int, prompt_len: int = 16) -> dict:
@@ -583,9 +566,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per side")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--profile-steps", type=int, default=None,
+                    help="steps profiled per side after the timing, 0 for none (10; quick: 2)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 40)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    if args.profile_steps is None:
+        args.profile_steps = 2 if args.quick else 10
 
     start = time.perf_counter()
     import torch
@@ -600,13 +587,14 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     twins = build_torch(torch)
 
-    res: dict = {"machine": machine_info(args.threads, torch)}
+    res: dict = {"machine": machine_info(args.threads, torch),
+                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     res["matmul_peak_gflops"] = matmul_peak(repeats=3 if args.quick else 7)
     res["configs"] = {}
     for key, case in make_cases(torch, twins).items():
         print(f"{key} ...", file=sys.stderr, flush=True)
         res["configs"][key] = bench_case(torch, twins, key, case, warmup, repeats,
-                                         res["matmul_peak_gflops"])
+                                         res["matmul_peak_gflops"], args.profile_steps)
     print("kv_cache ...", file=sys.stderr, flush=True)
     res["kv_cache"] = bench_kv_cache(256, repeats=1 if args.quick else 3)
     res["quick"] = bool(args.quick)
