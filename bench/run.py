@@ -57,6 +57,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -460,8 +461,9 @@ def profile_npformer(step, steps: int, top: int = 15) -> dict:
     qual = _npformer_qualnames()
     rows = []
     for (file, line, func), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
-        if file == "~":  # a C function: {method 'reduce' of 'numpy.ufunc' objects} and such
-            name = func
+        if file == "~":  # a C function: <method 'reduce' of 'numpy.ufunc' objects> and such
+            m = re.fullmatch(r"<method '(\w+)' of '([\w.]+)' objects>", func)
+            name = f"{m.group(2)}.{m.group(1)}" if m else func  # numpy.ufunc.reduce
         else:
             name = qual.get((file, line), f"{Path(file).name}:{func}")
         rows.append({"name": name, "ms": 1e3 * tottime / steps})
