@@ -10,7 +10,7 @@ into plain torch.nn modules), see the same batch and run the same step: forward,
 backward, global-norm clipping at 1.0 and AdamW (the same decay groups). The two steps
 are timed interleaved (npformer, torch, npformer, torch, ...) after a warm-up, in one
 process, with the same thread count on both sides (OPENBLAS/OMP/MKL_NUM_THREADS set
-before numpy is imported, threadpoolctl, torch.set_num_threads; OPENBLAS_THREAD_TIMEOUT=4
+before numpy is imported, threadpoolctl, torch.set_num_threads; OPENBLAS_THREAD_TIMEOUT=16
 so that numpy's idle BLAS threads stop spinning on the cores torch's threads need, unless
 the environment sets it already). The first step of each
 side is a correctness check: the losses must agree to rtol 1e-4 and the pre-clip
@@ -47,10 +47,13 @@ def _threads_from_argv(argv: list[str]) -> int:
 if __name__ == "__main__":  # BLAS reads these once, when numpy loads it
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[_var] = str(_threads_from_argv(sys.argv[1:]))
-    # OpenBLAS's idle threads spin for a while after each call; interleaved with torch
-    # on few cores they steal the cores torch's threads need (measured: torch's step
-    # about 2x slower). 4 (= 2^4 cycles, the minimum) makes them yield almost at once.
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    # OpenBLAS's idle threads spin for 2^28 cycles (about 0.1 s) after each call by
+    # default; interleaved with torch on few cores they take the cores torch's threads
+    # need (measured: torch's step about 2x slower). 2^16 cycles (tens of microseconds)
+    # lets them sleep between the two sides' steps without slowing torch's (measured).
+    # The minimum, 4, is too short: npformer's step alone measured 20-30% slower with
+    # it than with 16, presumably from waking the threads again for every product.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
