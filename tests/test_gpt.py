@@ -2,14 +2,12 @@
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.special import erf
+from test_float32 import float64_locals_in_npformer  # the tracer; it is tested there
 
-import npformer
 from npformer.generate import (
     generate,
     next_token_logits,
@@ -255,32 +253,6 @@ def test_every_parameter_gets_a_gradient_and_moves_after_one_adamw_step():
 # --------------------------------------------------------------------- float32
 
 
-def _float64_arrays_made_inside_npformer(fn):
-    """Run fn, tracing every npformer frame; return where a float64 array appeared."""
-    src = str(Path(npformer.__file__).parent)
-    found = []
-
-    def check(frame, values):
-        for name, v in values:
-            if isinstance(v, np.ndarray) and v.dtype == np.float64:
-                found.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}:{name}")
-
-    def local_trace(frame, event, arg):
-        if event == "return":
-            check(frame, list(frame.f_locals.items()) + [("<return>", arg)])
-        return local_trace
-
-    def global_trace(frame, event, arg):
-        return local_trace if frame.f_code.co_filename.startswith(src) else None
-
-    sys.settrace(global_trace)
-    try:
-        fn()
-    finally:
-        sys.settrace(None)
-    return found
-
-
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_float32_model_creates_no_float64_array_in_forward_or_backward(dropout):
     model = GPT(GPTConfig(**{**TINY, "dropout": dropout}), seed=0)  # float32 by default
@@ -293,16 +265,9 @@ def test_float32_model_creates_no_float64_array_in_forward_or_backward(dropout):
         model.forward(ids)
         model.backward(dlogits)
 
-    assert _float64_arrays_made_inside_npformer(step) == []
+    assert float64_locals_in_npformer(step) == []
     assert logits.dtype == dlogits.dtype == np.float32
     assert all(p.dtype == g.dtype == np.float32 for _, p, g in model.named_parameters())
-
-
-def test_the_float64_tracer_does_catch_a_float64_array():
-    def leaky():
-        softmax(np.zeros(3))  # a float64 input: float64 inside softmax
-
-    assert _float64_arrays_made_inside_npformer(leaky)
 
 
 # --------------------------------------------------------------------- dropout
