@@ -54,10 +54,11 @@ OPTION_RE = re.compile(r"^:([A-Za-z0-9_-]+):\s*(.*)$")
 class TangleError(Exception):
     """An error in the book, reported at ``book/<chapter>.md:<line>``."""
 
-    def __init__(self, where: str, message: str):
+    def __init__(self, where: str, message: str, code: int = 1):
         super().__init__(f"{where}: error: {message}")
         self.where = where
         self.message = message
+        self.code = code  # 2: tangle refused a run that would have deleted the package
 
 
 # --------------------------------------------------------------------------- parsing
@@ -99,25 +100,76 @@ def _yaml():
     return yaml
 
 
+def load_yaml(text: str, path: str, first_line: int = 1):
+    """Parse YAML that starts at ``path:first_line``; errors and duplicate keys are
+    reported at the line they are on."""
+    yaml = _yaml()
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = first_line + key_node.start_mark.line
+                if key in seen:
+                    raise TangleError(f"{path}:{line}", f"duplicate key {key!r} (first at "
+                                      f"line {seen[key]}); YAML would keep only the last")
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    try:
+        return yaml.load(text, Loader=Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = first_line + (mark.line if mark else 0)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise TangleError(f"{path}:{line}", f"not valid YAML: {problem}") from None
+
+
+def read_text(path: Path, rel: str) -> str:
+    """A file's text as UTF-8; a bad byte or a byte-order mark is an error at its line."""
+    data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise TangleError(f"{rel}:1", "file starts with a UTF-8 byte-order mark, which hides "
+                          "its front matter; save it as UTF-8 without a BOM")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise TangleError(f"{rel}:{line}", f"not valid UTF-8: byte 0x{data[exc.start]:02x} at "
+                          f"column {col}; save the file as UTF-8") from None
+
+
 def read_toc(root: Path) -> list[str]:
     """Chapter files (relative paths with .md) in _toc.yml order."""
     toc_path = root / "_toc.yml"
     if not toc_path.exists():
         raise TangleError("_toc.yml", "not found")
-    toc = _yaml().safe_load(toc_path.read_text(encoding="utf-8")) or {}
+    toc = load_yaml(read_text(toc_path, "_toc.yml"), "_toc.yml")
+    if not isinstance(toc, dict):
+        raise TangleError("_toc.yml:1", "expected a mapping with 'root' and 'parts' or "
+                          f"'chapters', got {type(toc).__name__}; nothing was written", code=2)
     files: list[str] = []
 
-    def visit(entry):
-        if isinstance(entry, dict):
-            if "file" in entry:
-                files.append(entry["file"])
-            for key in ("parts", "chapters", "sections"):
-                for sub in entry.get(key, []) or []:
-                    visit(sub)
+    def visit(entry, where):
+        if not isinstance(entry, dict):
+            raise TangleError("_toc.yml:1", f"{where}: expected a mapping, got {entry!r}")
+        if "file" in entry:
+            if not isinstance(entry["file"], str):
+                raise TangleError("_toc.yml:1", f"{where}.file: expected a path, "
+                                  f"got {entry['file']!r}")
+            files.append(entry["file"])
+        for key in ("parts", "chapters", "sections"):
+            subs = entry.get(key) or []
+            if not isinstance(subs, list):
+                raise TangleError("_toc.yml:1", f"{where}.{key}: expected a list, got {subs!r}")
+            for n, sub in enumerate(subs):
+                visit(sub, f"{where}.{key}[{n}]")
 
     if "root" in toc:
         files.append(toc["root"])
-    visit(toc)
+    visit(toc, "toc")
     out = []
     for f in files:
         f = f if f.endswith(".md") else f + ".md"
@@ -127,6 +179,10 @@ def read_toc(root: Path) -> list[str]:
             continue  # plain notebooks carry no exports
         else:
             raise TangleError("_toc.yml", f"chapter {f!r} listed but not found")
+    if not out:
+        raise TangleError("_toc.yml:1", "lists no chapter: tangle would delete the whole "
+                          "package (expected 'root' and 'parts' with 'chapters'); nothing "
+                          "was written", code=2)
     return out
 
 
@@ -136,27 +192,26 @@ def parse_front_matter(lines: list[str], path: str) -> tuple[dict, int]:
         return {}, 0
     for i in range(1, len(lines)):
         if lines[i].strip() == "---":
-            try:
-                data = _yaml().safe_load("\n".join(lines[1:i])) or {}
-            except Exception as exc:  # yaml.YAMLError
-                raise TangleError(f"{path}:1", f"front matter is not valid YAML: {exc}") from None
+            data = load_yaml("\n".join(lines[1:i]), path, first_line=2) or {}
+            if not isinstance(data, dict):
+                raise TangleError(f"{path}:2", "front matter must be a mapping")
             return data, i + 1
     raise TangleError(f"{path}:1", "front matter opened with '---' is never closed")
 
 
 def parse_options(opt_lines: list[str], where: str) -> dict:
-    yaml = _yaml()
+    path, _, fence = where.rpartition(":")
     text = "\n".join(opt_lines)
-    try:
-        if opt_lines and opt_lines[0].strip() == "---":
-            data = yaml.safe_load("\n".join(opt_lines[1:-1])) or {}
-        else:
-            data = {}
-            for line in opt_lines:
-                m = OPTION_RE.match(line.strip())
-                data[m.group(1)] = yaml.safe_load(m.group(2)) if m.group(2) else None
-    except Exception as exc:
-        raise TangleError(where, f"cell options do not parse: {exc}\n{text}") from None
+    if opt_lines and opt_lines[0].strip() == "---":
+        data = load_yaml("\n".join(opt_lines[1:-1]), path, int(fence) + 2) or {}
+    else:
+        data = {}
+        for n, line in enumerate(opt_lines):
+            m = OPTION_RE.match(line.strip())
+            at = int(fence) + 1 + n
+            if m.group(1) in data:
+                raise TangleError(f"{path}:{at}", f"duplicate cell option {m.group(1)!r}")
+            data[m.group(1)] = load_yaml(m.group(2), path, at) if m.group(2) else None
     if not isinstance(data, dict):
         raise TangleError(where, f"cell options must be key: value pairs, got {text!r}")
     return data
@@ -181,7 +236,7 @@ def slug(text: str) -> str:
 
 def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
     """Read one chapter: its front matter and its code cells with line numbers."""
-    lines = (root / rel).read_text(encoding="utf-8").splitlines()
+    lines = read_text(root / rel, rel).splitlines()
     meta, i = parse_front_matter(lines, rel)
     conf = meta.get(PACKAGE) or {}
     if not isinstance(conf, dict):
@@ -214,6 +269,10 @@ def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
         j = i + 1
         close = re.compile("^" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}\s*$")
         while j < len(lines) and not close.match(lines[j]):
+            nxt = FENCE_RE.match(lines[j])
+            if is_cell and nxt and nxt.group(2):
+                raise TangleError(f"{rel}:{start + 1}", "code cell is not closed before the "
+                                  f"next code cell at line {j + 1}: add its closing {fence}")
             j += 1
         if j == len(lines):
             raise TangleError(f"{rel}:{start + 1}", "code fence is never closed")
@@ -252,6 +311,12 @@ def assign_targets(chapter: Chapter) -> None:
         tags = cell.options.get("tags") or []
         if isinstance(tags, str):
             tags = [tags]
+        if not isinstance(tags, list):
+            raise TangleError(cell.where_option("tags"), f"tags: expected a list, got {tags!r}")
+        for tag in tags:
+            if tag != "export" and difflib.get_close_matches(str(tag), ["export"], cutoff=0.6):
+                raise TangleError(cell.where_option("tags"), f"unknown tag {tag!r}: did you "
+                                  "mean 'export'? (the cell would silently stay a demo)")
         target = cell.options.get("module")
         if "export" not in tags:
             if target is not None:
@@ -601,10 +666,18 @@ def render_init(book: Book, pkg: str) -> str:
 
 
 def read_generated(path: Path) -> tuple[str | None, bool]:
-    """Return (text, edited_by_hand) for an existing file, (None, False) if absent."""
+    """Return (text, edited_by_hand) for an existing file, (None, False) if absent.
+
+    A file that is not valid UTF-8 was not written by tangle as it stands: it counts as
+    edited by hand, and its text is shown with the bad bytes replaced.
+    """
     if not path.exists():
         return None, False
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", errors="replace"), True
     lines = text.split("\n", 3)
     if (
         len(lines) < 4
@@ -616,36 +689,80 @@ def read_generated(path: Path) -> tuple[str | None, bool]:
     return text, lines[2][len(HASH_PREFIX) :].strip() != _digest(signed)
 
 
+def is_generated(path: Path) -> bool:
+    """Whether tangle wrote this file: its first line is tangle's header."""
+    with path.open("rb") as f:
+        return f.readline().startswith(HEADER_MARK.encode())
+
+
 def existing_generated(root: Path) -> list[str]:
+    """Files under src/npformer that tangle wrote (hand-written files are never listed)."""
     base = root / "src" / PACKAGE
     if not base.exists():
         return []
-    return sorted(str(p.relative_to(root)) for p in base.rglob("*.py"))
+    return sorted(str(p.relative_to(root)) for p in base.rglob("*.py") if is_generated(p))
+
+
+def public_names(text: str | None, init: bool = False) -> set[str]:
+    """Top-level public names a module's text defines, and for a package's ``__init__``
+    the names it re-exports (empty if it does not parse)."""
+    try:
+        tree = ast.parse(text or "")
+    except SyntaxError:
+        return set()
+    imports = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
+    reexported = {a.asname or a.name for node in imports if init
+                  and (node.level > 0 or (node.module or "").startswith(PACKAGE))
+                  for a in node.names}
+    return set(public_defs(tree)) | {n for n in reexported if not n.startswith("_")}
 
 
 def plan(root: Path):
     """Compare what the book produces with what is on disk."""
     book = load_book(root)
     files, linemap = render(book)
-    changed, edited, orphans = [], [], []
+    changed, edited, orphans, foreign = [], [], [], []
     for rel, text in files.items():
         old, hand = read_generated(root / rel)
         if old != text:
             changed.append(rel)
             if old is not None and hand:
                 edited.append(rel)
+                if not is_generated(root / rel):
+                    foreign.append(rel)
     for rel in existing_generated(root):
         if rel not in files:
             old, hand = read_generated(root / rel)
             orphans.append(rel)
             if hand:
                 edited.append(rel)
-    return book, files, linemap, changed, edited, orphans
+    return book, files, linemap, changed, edited, orphans, foreign
+
+
+def warnings(root: Path, book: Book, files: dict[str, str], orphans: list[str]) -> list[str]:
+    """What a run would make disappear, and chapters the toc leaves out."""
+    out = [f"warning: {rel} will be deleted: no chapter produces it any more" for rel in orphans]
+    for rel, text in files.items():
+        path = root / rel
+        if rel in orphans or not path.exists():
+            continue
+        old, _ = read_generated(path)
+        init = rel.endswith("__init__.py")
+        for name in sorted(public_names(old, init) - public_names(text, init)):
+            out.append(f"warning: {rel}: public name {name!r} is no longer produced by the book")
+    listed = {ch.path for ch in book.chapters}
+    for md in sorted((root / "book").glob("*.md")) if (root / "book").exists() else []:
+        rel = md.relative_to(root).as_posix()
+        text = md.read_text(encoding="utf-8", errors="replace")
+        if rel not in listed and re.search(r"^:tags:.*\bexport\b", text, re.M):
+            out.append(f"warning: {rel} has exported cells but is not in _toc.yml: "
+                       "its code is not in the package")
+    return out
 
 
 def _diff(root: Path, rel: str, new: str | None) -> str:
     path = root / rel
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    old = read_generated(path)[0] or ""
     return "".join(
         difflib.unified_diff(
             old.splitlines(keepends=True),
@@ -674,7 +791,9 @@ def _blame(book: Book, rel: str) -> str:
 
 def tangle(root: Path, check: bool = False, force: bool = False, out=None) -> int:
     out = sys.stdout if out is None else out
-    book, files, _, changed, edited, orphans = plan(root)
+    book, files, _, changed, edited, orphans, foreign = plan(root)
+    for line in warnings(root, book, files, orphans):
+        print(line, file=sys.stderr)
     if check:
         for rel in changed:
             state = "missing" if not (root / rel).exists() else "stale"
@@ -689,6 +808,21 @@ def tangle(root: Path, check: bool = False, force: bool = False, out=None) -> in
             print("src/ is out of date with the book: run `python tangle.py`", file=out)
             return 1
         return 0
+    for rel in foreign:
+        print(f"{rel}: error: this file was not written by tangle (it has no tangle header), "
+              "and a chapter now produces it; move it away, then run `python tangle.py`. "
+              "Not even --force overwrites a hand-written file.", file=sys.stderr)
+    if foreign:
+        return 2
+    modules = [rel for rel in existing_generated(root) if not rel.endswith("__init__.py")]
+    gone = [rel for rel in orphans if not rel.endswith("__init__.py")]
+    kept = len(modules) - len(gone)
+    if len(gone) >= 3 and len(gone) > kept:
+        print(f"error: this run would delete {len(gone)} of the "
+              f"{len(modules)} generated modules in src/{PACKAGE}, which looks like a "
+              "broken _toc.yml or book, not a clean-up; nothing was written. If you meant "
+              "it, delete those files yourself, then run `python tangle.py`.", file=sys.stderr)
+        return 2
     if edited and not force:
         for rel in edited:
             print(
@@ -766,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         return tangle(args.root, check=args.check, force=args.force)
     except TangleError as exc:
         print(exc, file=sys.stderr)
-        return 1
+        return exc.code
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
