@@ -432,3 +432,23 @@ def test_the_encoder_learns_to_reconstruct_its_input_embeddings(data):
     before = trainer.evaluate()
     trainer.fit()
     assert trainer.evaluate() < 0.1 * before  # the final LayerNorm's gain shrinks first
+
+
+def test_an_overflowing_update_is_named_and_its_warnings_do_not_leak(data, tmp_path):
+    """lr = 1e38 overflows AdamW's float32 update in step 0; step 1's loss is NaN. The
+    error names the update that broke (step 0), not just the step that noticed."""
+    import warnings
+
+    tok, train_ids, val_ids = data
+    cfg = TrainConfig(steps=12, batch_size=4, block_size=16, warmup_steps=0, lr=1e38,
+                      min_lr=0.0, eval_interval=4, eval_batches=2, log_interval=2)
+    model = npf.GPT(npf.GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1,
+                                  n_head=2, d_model=16), seed=0)  # float32
+    trainer = Trainer(model, train_ids, val_ids, cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would fail the test
+        with pytest.raises(NonFiniteError, match=r"the loss is nan at step 1 because the "
+                                                 r"update of step 0 made parameter '.*' "
+                                                 r"non-finite"):
+            trainer.fit(checkpoint_path=tmp_path / "c.safetensors")
+    assert trainer.step == 1 and not (tmp_path / "c.safetensors").exists()
