@@ -112,8 +112,9 @@ def test_check_seed_gives_a_generator_and_names_a_bad_seed():
     g = np.random.default_rng(1)
     assert check_seed(g) is g
     assert check_seed(7).random() == np.random.default_rng(7).random()
-    for bad in ("abc", -1, 1.5, True):
-        with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0 or a "):
+    assert check_seed([3, 1]).random() == np.random.default_rng([3, 1]).random()
+    for bad in ("abc", -1, 1.5, True, [1, -1], [], "12"):
+        with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0, a list of them or a "):
             check_seed(bad)
 
 
@@ -159,13 +160,13 @@ def test_backward_before_forward_is_a_named_error(name):
                                        d_model=4, d_ff=8), seed=seed),
 ])
 def test_a_seed_that_is_not_a_seed_is_refused_by_name(make):
-    with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0 or a numpy"):
+    with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0, a list of them or a numpy"):
         make("abc")
 
 
 def test_generate_refuses_a_string_seed_by_name():
     model = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, d_model=4), seed=0)
-    with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0 or a numpy"):
+    with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0, a list of them or a numpy"):
         generate(model, np.array([[1, 2]]), 1, seed="abc")
 
 
