@@ -23,7 +23,15 @@ from npformer.data import (
     tokenizer_spec,
     train_val_split,
 )
-from npformer.train import IGNORE, NonFiniteError, TrainConfig, Trainer, mask_tokens, train_step
+from npformer.optim import train_step
+from npformer.train import (
+    IGNORE,
+    NonFiniteError,
+    TrainConfig,
+    Trainer,
+    mask_tokens,
+    next_token_objective,
+)
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 
@@ -405,7 +413,8 @@ def test_gradient_clipping_bounds_the_step_and_reports_the_raw_norm(data):
     opt = npf.SGD(model.named_parameters(), lr=1.0)
     cfg = TrainConfig(grad_clip=1e-3)
     before = params_of(model)
-    _, norm = train_step(model, opt, ids, rng, cfg, lr=1.0)
+    _, norm = train_step(model, opt, lambda m, b: next_token_objective(m, b, rng), ids,
+                         lr=1.0, max_norm=cfg.grad_clip)
     moved = np.sqrt(sum(np.sum((p - before[n]) ** 2) for n, p, _ in model.named_parameters()))
     assert norm > 1e-3
     assert moved == pytest.approx(1e-3, rel=1e-3)  # SGD moves by lr * the clipped gradient
