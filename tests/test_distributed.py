@@ -309,7 +309,7 @@ def test_two_ranks_train_the_same_weights_as_one_process_in_float64(tmp_path, ki
 def test_two_ranks_in_float32_agree_within_float32_rounding(tmp_path):
     rows = trainer_run(tmp_path, 2, "gpt", "zero", "float32", "invariance")
     for r in rows:  # float32 rounding of different sums, carried through 12 AdamW steps
-        assert r["err"] < 1e-4 and r["loss_err"] < 1e-5, r
+        assert r["err"] < 2e-5 and r["loss_err"] < 1e-6, r  # measured 3.6e-6 and 1.8e-7
 
 
 @needs_mpi
@@ -322,3 +322,142 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, save_ranks, r
     assert len(rows) == resume_ranks
     for r in rows:
         assert r["step"] == 12 and r["err"] < 1e-10, r
+
+
+@needs_mpi
+def test_a_non_finite_loss_on_one_rank_stops_every_rank_before_the_update(tmp_path):
+    result = run_mpi(tmp_path, """
+        import json
+        import numpy as np
+        import npformer as npf
+        from npformer.distributed import DistributedTrainer, world
+        from npformer.optim import NonFiniteError
+        from npformer.train import TrainConfig
+
+        comm = world()
+        ids = np.random.default_rng(0).integers(0, 20, 3000)
+        model = npf.GPT(npf.GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2,
+                                      d_model=16, dtype="float64"), seed=0)
+        t = DistributedTrainer(model, ids[:2500], ids[2500:],
+                               TrainConfig(steps=4, batch_size=4, block_size=16,
+                                           warmup_steps=0), comm=comm)
+        if comm.rank == 1:
+            model.wpe.W[0, 0] = np.nan  # this rank only: its loss is NaN, rank 0's is not
+        before = {n: p.copy() for n, p, _ in model.named_parameters()}
+        try:
+            t.fit()
+            outcome = "trained"
+        except NonFiniteError as err:
+            outcome = str(err)
+        same = all(np.array_equal(p, before[n], equal_nan=True)
+                   for n, p, _ in model.named_parameters())
+        with open(f"result.{comm.rank}.json", "w") as f:
+            json.dump({"rank": comm.rank, "outcome": outcome, "unchanged": same,
+                       "t": t.optimizer.t}, f)
+    """)
+    assert result.returncode == 0, result.stderr
+    rows = results(tmp_path)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["outcome"].startswith("the loss is nan at step 0"), r
+        assert r["unchanged"] and r["t"] == 0, r
+
+
+def test_a_batch_the_ranks_cannot_share_equally_is_a_named_error():
+    class TwoRanks(SingleProcess):
+        size = 2
+
+    ids = np.arange(100) % 7
+    model = npf.GPT(npf.GPTConfig(vocab_size=7, block_size=4, n_layer=1, n_head=1,
+                                  d_model=4), seed=0)
+    from npformer.distributed import DistributedTrainer
+    from npformer.train import TrainConfig
+
+    with pytest.raises(ValueError, match="batch_size: expected a multiple of the 2 ranks "
+                                         r"\(each takes an equal slice\), got 5"):
+        DistributedTrainer(model, ids, ids, TrainConfig(batch_size=5, block_size=4),
+                           comm=TwoRanks())
+
+
+CLI_ARGS = ["train", "gpt", "--data", "corpus.txt", "--quiet", "--n-layer", "1", "--n-head",
+            "2", "--d-model", "16", "--block-size", "16", "--batch-size", "4",
+            "--eval-interval", "4", "--eval-batches", "1", "--log-interval", "2",
+            "--warmup-steps", "2", "--dtype", "float64"]
+
+
+def _cli_corpus(tmp_path):
+    (tmp_path / "corpus.txt").write_text(
+        "def add(a, b):\n    return a + b\n\n# the quick brown fox jumps over the dog\n" * 30)
+
+
+@needs_mpi
+def test_the_command_line_under_mpiexec_trains_the_one_process_run(tmp_path):
+    _cli_corpus(tmp_path)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "npformer", *CLI_ARGS, "--steps", "8"]
+    one = subprocess.run([*cli, "--out", "one"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    two = subprocess.run([MPIEXEC, "-n", "2", *cli, "--out", "two"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout == "" and two.stderr == ""  # --quiet, and only rank 0 would speak
+    a, b = (npf.load(tmp_path / d / "ckpt.safetensors") for d in ("one", "two"))
+    for (name, p, _), (_, q, _) in zip(a.named_parameters(), b.named_parameters()):
+        np.testing.assert_allclose(q, p, rtol=1e-10, atol=1e-12, err_msg=name)
+    log_one, log_two = ((tmp_path / d / "log.jsonl").read_text().splitlines()
+                        for d in ("one", "two"))
+    assert len(log_one) == len(log_two) == 4  # one log, written by rank 0 alone
+    for x, y in zip(log_one, log_two):
+        x, y = json.loads(x), json.loads(y)
+        assert x["step"] == y["step"] and abs(x["train_loss"] - y["train_loss"]) < 1e-10
+
+
+def _pids_of_rank(rank: int, marker: str) -> list[int]:
+    """Processes whose command line holds ``marker`` and whose MPI rank is ``rank``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in cmd and "mpiexec" not in cmd and f"PMI_RANK={rank}".encode() in env:
+            out.append(int(d.name))
+    return out
+
+
+@needs_mpi
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+def test_killing_one_rank_ends_the_job_quickly_and_the_checkpoint_resumes(tmp_path):
+    import time
+
+    _cli_corpus(tmp_path)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    job = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "npformer", *CLI_ARGS,
+                            "--steps", "100000", "--out", str(out)], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "ckpt.safetensors").exists():
+            assert job.poll() is None and time.monotonic() < deadline, job.stderr.read()
+            time.sleep(0.05)
+        victims = _pids_of_rank(1, str(out))
+        assert len(victims) == 1
+        os.kill(victims[0], 9)
+        killed = time.monotonic()
+        job.wait(timeout=30)  # no rank hangs: the whole job ends
+        assert time.monotonic() - killed < 30
+        assert job.returncode != 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    step = npf.load_checkpoint(out / "ckpt.safetensors").step  # intact, and it resumes
+    resumed = subprocess.run([sys.executable, "-m", "npformer", "train", "gpt", "--out",
+                              str(out), "--resume", "--steps", str(step + 4), "--quiet"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert npf.load_checkpoint(out / "ckpt.safetensors").step == step + 4
