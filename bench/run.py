@@ -62,6 +62,8 @@ import math  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -573,6 +575,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--profile-steps", type=int, default=None,
                     help="steps profiled per side after the timing, 0 for none (10; quick: 2)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="also time data-parallel training on 2 MPI ranks (bench/ddp.py; "
+                         "needs the mpi extra)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 40)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
@@ -602,6 +607,14 @@ def main(argv: list[str] | None = None) -> dict:
                                          res["matmul_peak_gflops"], args.profile_steps)
     print("kv_cache ...", file=sys.stderr, flush=True)
     res["kv_cache"] = bench_kv_cache(256, repeats=1 if args.quick else 3)
+    if args.ddp:  # its own processes, one BLAS thread each: see bench/ddp.py
+        print("ddp ...", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "ddp.json"
+            subprocess.run([sys.executable, str(Path(__file__).with_name("ddp.py")),
+                            "--steps", "5" if args.quick else "30", "--out", str(out)],
+                           check=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+            res["ddp"] = json.loads(out.read_text())
     res["quick"] = bool(args.quick)
     res["runtime_s"] = time.perf_counter() - start
     print_table(res)
