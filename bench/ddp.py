@@ -115,15 +115,17 @@ def optimizer_bytes(build) -> int:
     return after - before
 
 
-def config(steps: int) -> TrainConfig:
-    return TrainConfig(steps=steps + 10, batch_size=BATCH, block_size=BLOCK, warmup_steps=10,
-                       eval_interval=10_000)
+def config(steps: int, batch_size: int = BATCH) -> TrainConfig:
+    return TrainConfig(steps=steps + 10, batch_size=batch_size, block_size=BLOCK,
+                       warmup_steps=10, eval_interval=10_000)
 
 
 def one_process(steps: int) -> dict:
     tok, train, val = data()
     trainer = Trainer(baby(tok.vocab_size), train, val, config(steps))
     out = time_steps(trainer, steps)
+    half = Trainer(baby(tok.vocab_size), train, val, config(steps, BATCH // 2))
+    out["half_batch_step_ms"] = time_steps(half, steps)["step_ms"]  # alone on the machine
     model = baby(tok.vocab_size)
     out["n_params"] = int(sum(p.size for _, p, _ in model.named_parameters()))
     flat = FlatBuffers(model, shards=1)
@@ -149,6 +151,17 @@ def worker(steps: int, path: Path) -> None:
         sweep.append({"bytes": 4 * n, "seconds": statistics.median(ts)})
     tok, train, val = data()
     runs = {}
+    # Each rank's share of the work, with no communication, all ranks at once: what the
+    # processes cost each other by sharing the machine.
+    alone = Trainer(baby(tok.vocab_size), train, val, config(steps, BATCH // comm.size))
+    alone.train_step()
+    times = []
+    for _ in range(steps):
+        comm.barrier()
+        t0 = time.perf_counter()
+        alone.train_step()
+        times.append(time.perf_counter() - t0)
+    shared_ms = 1e3 * statistics.median(times)
     for zero in (False, True):
         timed = Timed(comm)
         trainer = DistributedTrainer(baby(tok.vocab_size), train, val, config(steps),
@@ -158,7 +171,8 @@ def worker(steps: int, path: Path) -> None:
         runs["zero" if zero else "plain"]["optimizer_bytes"] = optimizer_bytes(
             lambda: ZeroAdamW(flat, comm) if zero else AllReduceAdamW(flat, comm))
     if comm.rank == 0:
-        path.write_text(json.dumps({"ranks": comm.size, "allreduce": sweep, "runs": runs}))
+        path.write_text(json.dumps({"ranks": comm.size, "allreduce": sweep, "runs": runs,
+                                    "concurrent_share_step_ms": shared_ms}))
 
 
 def main() -> int:
@@ -177,6 +191,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     single = one_process(args.steps)
+    vocab_size = data()[0].vocab_size
     with tempfile.TemporaryDirectory() as tmp:
         part = Path(tmp) / "ranks.json"
         subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__,
@@ -192,7 +207,7 @@ def main() -> int:
                     "numpy": np.__version__,
                     "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")},
         "model": {"n_layer": 4, "n_head": 4, "d_model": 128, "block_size": BLOCK,
-                  "batch_size": BATCH, "dtype": "float32"},
+                  "batch_size": BATCH, "vocab_size": vocab_size, "dtype": "float32"},
         "one_process": single, **multi, "alpha_s": alpha, "beta_s_per_byte": beta,
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
