@@ -3,7 +3,7 @@
 # build the PDF too when TeX is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh "${NPFORMER_EXTRAS:-book,dev}"
+bash scripts/setup.sh "${NPFORMER_EXTRAS:-book,dev,mpi}"
 source .venv/bin/activate
 # One BLAS thread: the training cells then reproduce the committed logs of the full
 # runs step for step, and a busy machine cannot oversubscribe its cores.
