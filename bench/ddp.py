@@ -150,6 +150,18 @@ def worker(steps: int, path: Path) -> None:
             ts.append(time.perf_counter() - t0)
         sweep.append({"bytes": 4 * n, "seconds": statistics.median(ts)})
     tok, train, val = data()
+    grads = FlatBuffers(baby(tok.vocab_size), shards=comm.size).grads
+    buckets = {}  # the baby GPT's gradient, all-reduced in one message or in k buckets
+    for k in (1, 4, 16, 64):
+        parts = np.array_split(grads, k)
+        ts = []
+        for _ in range(15):
+            comm.barrier()
+            t0 = time.perf_counter()
+            for part in parts:
+                comm.allreduce(part)
+            ts.append(time.perf_counter() - t0)
+        buckets[str(k)] = statistics.median(ts)
     runs = {}
     # Each rank's share of the work, with no communication, all ranks at once: what the
     # processes cost each other by sharing the machine.
@@ -172,7 +184,8 @@ def worker(steps: int, path: Path) -> None:
             lambda: ZeroAdamW(flat, comm) if zero else AllReduceAdamW(flat, comm))
     if comm.rank == 0:
         path.write_text(json.dumps({"ranks": comm.size, "allreduce": sweep, "runs": runs,
-                                    "concurrent_share_step_ms": shared_ms}))
+                                    "concurrent_share_step_ms": shared_ms,
+                                    "bucketed_allreduce_s": buckets}))
 
 
 def main() -> int:
