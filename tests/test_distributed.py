@@ -273,6 +273,17 @@ if mode == "invariance":  # N ranks against one process, the same run
     out["loss_err"] = max(abs(a["train_loss"] - b["train_loss"]) for a, b in zip(recs, recs1))
     out["val_err"] = max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(recs, recs1)
                          if a["val_loss"] is not None)
+elif mode == "dropout":  # each rank its own masks, and the same masks on a second run
+    runs = []
+    for _ in range(2):
+        model = npf.GPT(npf.GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2,
+                                      d_model=16, dropout=0.2, dtype=dtype), seed=0)
+        t = DistributedTrainer(model, train_ids, val_ids, make()[1], comm=comm, zero=zero)
+        state = model.h[0].drop_attn.rng.bit_generator.state["state"]["state"]
+        t.fit()
+        runs.append((params(model), state))
+    out["repeat_err"] = error(runs[0][0], runs[1][0])
+    out["rng_state"] = str(runs[0][1])
 elif mode == "save":  # 6 of 12 steps on this many ranks, then a checkpoint
     model, cfg = make()
     DistributedTrainer(model, train_ids, val_ids, cfg, comm=comm, zero=zero).fit(
@@ -310,6 +321,13 @@ def test_two_ranks_in_float32_agree_within_float32_rounding(tmp_path):
     rows = trainer_run(tmp_path, 2, "gpt", "zero", "float32", "invariance")
     for r in rows:  # float32 rounding of different sums, carried through 12 AdamW steps
         assert r["err"] < 2e-5 and r["loss_err"] < 1e-6, r  # measured 3.6e-6 and 1.8e-7
+
+
+@needs_mpi
+def test_dropout_masks_differ_between_ranks_and_repeat_from_run_to_run(tmp_path):
+    rows = trainer_run(tmp_path, 2, "gpt", "zero", "float64", "dropout")
+    assert rows[0]["rng_state"] != rows[1]["rng_state"]  # rank 1 re-seeded from rank 0's
+    assert all(r["repeat_err"] == 0.0 for r in rows), rows  # the same run, bit for bit
 
 
 @needs_mpi
