@@ -69,7 +69,9 @@ def drop_empty_bibliography_chapter(app, doctree, docname) -> None:
         if not sof.get("docname", "").endswith("bibliography"):
             continue
         if not any(True for _ in sof.findall(nodes.citation)):
-            sof.parent.remove(sof)
+            # Keep the chapter's label, so that links to it reach the gathered entries.
+            label = r"\phantomsection\label{\detokenize{%s::doc}}" % sof["docname"]
+            sof.parent.replace(sof, nodes.raw("", label + "\n", format="latex"))
 
 
 def _encrypt_kernels() -> None:
