@@ -66,7 +66,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     how_to_install
     exit 0
 fi
-jupyter-book build . --builder pdflatex
+# latexmk -silent: pdflatex's page-by-page chatter (and the undefined references
+# of its first pass, which later passes resolve) stays in the .log file.
 pdf=_build/latex/transformers-by-hand.pdf
-test -s "$pdf"
+if ! LATEXMKOPTS="${LATEXMKOPTS:--silent}" jupyter-book build . --builder pdflatex \
+    || [ ! -s "$pdf" ]; then
+    echo "The PDF build failed; the details are in ${pdf%.pdf}.log" >&2
+    exit 1
+fi
 echo "PDF book: $pdf"
