@@ -80,8 +80,10 @@ def _encrypt_kernels() -> None:
         from jupyter_client.manager import KernelManager
     except ImportError:  # pragma: no cover - the book extra installs both
         return
-    if zmq.has("curve"):
-        KernelManager.transport_encryption.default_value = "auto"
+    # jupyter_client 8.10 added the policy; older versions have no such trait.
+    trait = getattr(KernelManager, "transport_encryption", None)
+    if trait is not None and zmq.has("curve"):
+        trait.default_value = "auto"
 
 
 def setup(app):
