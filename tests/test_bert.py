@@ -334,7 +334,7 @@ def test_param_total_of_the_notes_config_and_what_the_notes_counted():
     weights = sum(v for k, v in c.items() if k.startswith("h.*.") and k.endswith(".W"))
     assert sum(v for k, v in c.items() if k.startswith("h.*.")) == 444_864  # all 16 arrays
     one_ln = c["h.*.ln_1.gamma"] + c["h.*.ln_1.beta"]
-    assert weights + one_ln == 442_752  # the notes' per-layer number: no biases, one LN
+    assert weights + one_ln == 442_752  # the published per-layer number: no biases, one LN
     notes_rest = c["wte.W"] + c["wpe.W"] + 192 * 8192 + c["type_emb.W"]  # untied, no bias
     assert 3 * 442_752 + notes_rest == 4_486_656
 

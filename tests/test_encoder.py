@@ -171,7 +171,7 @@ def test_parameter_names_are_dotted_and_the_embedding_is_named_wte():
 
 
 def test_every_parameter_receives_a_gradient_and_moves_after_one_adam_step():
-    """Catches an optimiser wired to gradients under the wrong keys (seed 000's third bug)."""
+    """Catches an optimiser wired to gradients under the wrong keys (the published code's bug 3)."""
     cfg = npf.EncoderConfig()
     model = npf.Encoder(cfg, seed=0)
     params = list(model.named_parameters())
