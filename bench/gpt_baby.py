@@ -29,9 +29,9 @@ import numpy as np
 
 import npformer
 from npformer.data import sample_windows
-from npformer.generate import generate
 from npformer.models.gpt import GPT, GPTConfig
 from npformer.optim import AdamW, train_loop, train_step, warmup_cosine
+from npformer.sampling import generate
 from npformer.softmax import cross_entropy
 from npformer.tokenizer import CharTokenizer
 

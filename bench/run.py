@@ -76,11 +76,11 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 import npformer as npf  # noqa: E402
-from npformer.generate import generate  # noqa: E402
 from npformer.losses import mse_loss, next_token_loss  # noqa: E402
 from npformer.models.bert import bert_mask_tokens, mlm_step_loss  # noqa: E402
 from npformer.optim import AdamW, clip_grad_norm  # noqa: E402
 from npformer.perf import Shape, formula_memory, shape_of, train_flops  # noqa: E402
+from npformer.sampling import generate  # noqa: E402
 
 MB = 1024 * 1024
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import npformer as npf
-from npformer.generate import generate
 from npformer.models.bert import BERT, BERTConfig
 from npformer.models.encoder import Encoder, EncoderConfig
 from npformer.models.gpt import GPT, GPTConfig
@@ -32,6 +31,7 @@ from npformer.module import (
     check_type,
     fail,
 )
+from npformer.sampling import generate
 
 # ---------------------------------------------------------------- the vocabulary
 
