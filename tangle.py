@@ -577,17 +577,16 @@ def render(book: Book) -> tuple[dict[str, str], dict[str, list[str | None]]]:
     src = f"src/{PACKAGE}"
     for module, cells in sorted(book.modules.items(), key=lambda kv: _order(book, kv[1])):
         sources = sorted({c.chapter for c in cells}, key=lambda p: _chapter_index(book, p))
-        body_lines: list[str] = []
-        locs: list[str | None] = []
-        for k, cell in enumerate(cells):
-            if k:
-                body_lines += ["", ""]
-                locs += [None, None]
+        body_lines, locs = hoist_imports(cells)
+        for k, (cell, code, code_locs) in enumerate(_cells_without_imports(cells)):
+            if k or body_lines:  # after the imports, isort's rule: two blank lines before a
+                gap = 2 if k or _starts_a_definition(code) else 1  # def or class, else one
+                body_lines += [""] * gap
+                locs += [None] * gap
             body_lines.append(f"# [{cell.chapter} § {cell.anchor}]")
             locs.append(f"{cell.chapter}:{cell.fence_line}")
-            code = cell.source.rstrip().split("\n")
             body_lines += code
-            locs += [f"{cell.chapter}:{cell.code_line + n}" for n in range(len(code))]
+            locs += code_locs
         body = "\n".join(body_lines) + "\n"
         path = f"{src}/{module.replace('.', '/')}.py"
         try:  # the module as a whole must compile (e.g. __future__ imports come first)
@@ -606,6 +605,123 @@ def render(book: Book) -> tuple[dict[str, str], dict[str, list[str | None]]]:
     return files, linemap
 
 
+# --------------------------------------------------------------------------- imports
+#
+# The book keeps each cell's imports where the reader sees what the cell uses; a
+# generated module has them once, at the top, merged, deduplicated and sorted the way
+# ruff's isort rules (I001) sort them: __future__, standard library, third party,
+# npformer; straight imports before from-imports; names by type (CONSTANTS, Classes,
+# functions), then alphabetically.
+
+LINE_LENGTH = 100
+
+
+def _top_level_imports(cell: Cell) -> list[ast.stmt]:
+    tree = ast.parse(cell.source)
+    return [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def _cells_without_imports(cells: list[Cell]):
+    """Yield (cell, code lines, their book locations) with top-level imports removed."""
+    for cell in cells:
+        lines = cell.source.rstrip().split("\n")
+        drop = set()
+        for node in _top_level_imports(cell):
+            drop.update(range(node.lineno - 1, node.end_lineno))
+        kept = [(n, line) for n, line in enumerate(lines) if n not in drop]
+        # no blank lines left at the start, and none in runs longer than two
+        while kept and not kept[0][1].strip():
+            kept.pop(0)
+        code, code_locs, blanks = [], [], 0
+        for n, line in kept:
+            blanks = blanks + 1 if not line.strip() else 0
+            if blanks > 2:
+                continue
+            code.append(line)
+            code_locs.append(f"{cell.chapter}:{cell.code_line + n}")
+        if any(line.strip() for line in code):
+            yield cell, code, code_locs
+
+
+def _starts_a_definition(code: list[str]) -> bool:
+    """True if the code opens with a def or class (comments directly above it allowed)."""
+    for line in code:
+        if not line.strip():
+            return False  # a comment block of its own comes first
+        if not line.startswith("#"):
+            return line.startswith(("def ", "class ", "@", "async def "))
+    return False
+
+
+def _section(module: str) -> int:
+    top = module.split(".")[0]
+    if top == "__future__":
+        return 0
+    if top in sys.stdlib_module_names:
+        return 1
+    return 3 if top == PACKAGE else 2
+
+
+def _member_key(name: str) -> tuple:
+    kind = 0 if name.isupper() and len(name) > 1 else 1 if name[:1].isupper() else 2
+    return kind, name.lower(), name
+
+
+def hoist_imports(cells: list[Cell]) -> tuple[list[str], list[str | None]]:
+    """The module's import block, as lines, and the book location of each line.
+
+    A line maps to the book line it came from when it is that line, unchanged.
+    """
+    straight: dict[tuple[str, str | None], str] = {}  # (module, alias) -> book location
+    froms: dict[str, dict[tuple[str, str | None], str]] = {}
+    origin: dict[str, str] = {}  # the text of a one-line statement -> its book location
+    for cell in cells:
+        lines = cell.source.split("\n")
+        for node in _top_level_imports(cell):
+            where = f"{cell.chapter}:{cell.code_line + node.lineno - 1}"
+            if node.lineno == node.end_lineno:
+                origin.setdefault(lines[node.lineno - 1].rstrip(), where)
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    straight.setdefault((a.name, a.asname), where)
+            else:
+                module = "." * node.level + (node.module or "")
+                for a in node.names:
+                    froms.setdefault(module, {}).setdefault((a.name, a.asname), where)
+    out = format_imports(list(straight), {m: list(names) for m, names in froms.items()})
+    return out, [origin.get(line) for line in out]
+
+
+def format_imports(straight: list[tuple[str, str | None]],
+                   froms: dict[str, list[tuple[str, str | None]]],
+                   comments: dict[str, str] | None = None) -> list[str]:
+    """Import statements as isort (ruff I001) writes them; ``comments`` by from-module."""
+    statements: list[tuple[int, int, str, list[str]]] = []
+    for module, alias in straight:
+        text = f"import {module}" + (f" as {alias}" if alias else "")
+        statements.append((_section(module), 0, module.lower(), [text]))
+    for module, names in froms.items():
+        members = [n + (f" as {a}" if a else "") for n, a in
+                   sorted(names, key=lambda na: (_member_key(na[0]), na[1] or ""))]
+        text = f"from {module} import {', '.join(members)}"
+        if comments and module in comments:
+            text += f"  # {comments[module]}"
+        if len(text) > LINE_LENGTH:
+            text_lines = [f"from {module} import ("] + [f"    {m}," for m in members] + [")"]
+        else:
+            text_lines = [text]
+        statements.append((_section(module), 1, module.lower(), text_lines))
+    statements.sort(key=lambda st: st[:3])
+    out: list[str] = []
+    previous = None
+    for section, _, _, text_lines in statements:
+        if previous is not None and section != previous:
+            out.append("")
+        previous = section
+        out += text_lines
+    return out
+
+
 def _chapter_index(book: Book, path: str) -> int:
     return next(ch.index for ch in book.chapters if ch.path == path)
 
@@ -613,6 +729,36 @@ def _chapter_index(book: Book, path: str) -> int:
 def _order(book: Book, cells: list[Cell]) -> tuple[int, int]:
     first = cells[0]
     return (_chapter_index(book, first.chapter), first.fence_line)
+
+
+def curated_names(book: Book) -> dict[str, str] | None:
+    """The root package's public surface, {name: module}, from the chapters' front matter.
+
+    A chapter lists the names a user reaches for under ``npformer: public: [...]``; each
+    must be a public name of one of the chapter's modules. None when no chapter lists any
+    (then the root re-exports every public name).
+    """
+    curated: dict[str, str] = {}
+    listed = False
+    for ch in book.chapters:
+        lines = (book.root / ch.path).read_text(encoding="utf-8").splitlines()
+        conf = parse_front_matter(lines, ch.path)[0].get(PACKAGE) or {}
+        names = conf.get("public") if isinstance(conf, dict) else None
+        if names is None:
+            continue
+        listed = True
+        line = next((n + 1 for n, text in enumerate(lines) if text.strip().startswith("public:")),
+                    1)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise TangleError(f"{ch.path}:{line}", "'public' must be a list of names")
+        mods = ([ch.module] if ch.module else []) + ch.modules
+        for n in names:
+            owner = next((m for m in mods if n in book.exports.get(m, [])), None)
+            if owner is None:
+                raise TangleError(f"{ch.path}:{line}", f"public name {n!r} is not exported "
+                                  f"by this chapter's modules {mods}")
+            curated[n] = owner
+    return curated if listed else None
 
 
 def render_init(book: Book, pkg: str) -> str:
@@ -629,18 +775,17 @@ def render_init(book: Book, pkg: str) -> str:
     else:
         doc = (
             f'"""{PACKAGE}: transformers by hand, in NumPy.\n\n'
-            "Every name below is defined, derived and tested in a chapter of the book.\n"
+            "Every name below is defined, derived and tested in a chapter of the book, which\n"
+            "lists it in its front matter; the rest is in the modules (npformer.optim, ...).\n"
             "`python tangle.py where <file>:<line>` finds the chapter line.\n"
             '"""\n'
         )
-    lines = [doc]
+    curated = None if pkg else curated_names(book)
     names: dict[str, str] = {}
+    froms: dict[str, list[tuple[str, None]]] = {}
+    comments: dict[str, str] = {}
     for m in mods:
         public = book.exports.get(m, [])
-        if not public:
-            parent, _, leaf = f"{PACKAGE}.{m}".rpartition(".")
-            lines.append(f"from {parent} import {leaf}  # noqa: F401")
-            continue
         for n in public:
             if n in names:
                 d = book.definitions[(m, n)]
@@ -650,14 +795,21 @@ def render_init(book: Book, pkg: str) -> str:
                     f"{PACKAGE}.{m}; rename one or make it private with a leading '_'",
                 )
             names[n] = m
-        joined = ", ".join(public)
-        stmt = f"from {PACKAGE}.{m} import {joined}"
-        if len(stmt) > 95:
-            stmt = f"from {PACKAGE}.{m} import (\n" + "".join(f"    {n},\n" for n in public) + ")"
-        lines.append(stmt)
+        if curated is not None:
+            public = [n for n in public if curated.get(n) == m]
+            if public:
+                froms[f"{PACKAGE}.{m}"] = [(n, None) for n in public]
+        elif public:
+            froms[f"{PACKAGE}.{m}"] = [(n, None) for n in public]
+        else:  # imported all the same, as a valid statement
+            parent, _, leaf = f"{PACKAGE}.{m}".rpartition(".")
+            froms[parent] = froms.get(parent, []) + [(leaf, None)]
+            comments[parent] = "noqa: F401"
+    exported = sorted(curated if curated is not None else names)
+    lines = [doc] + format_imports([], froms, comments)
     lines.append("")
     lines.append("__all__ = [")
-    lines += [f'    "{n}",' for n in sorted(names)]
+    lines += [f'    "{n}",' for n in exported]
     lines.append("]")
     return "\n".join(lines) + "\n"
 

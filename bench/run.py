@@ -78,11 +78,12 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 import npformer as npf  # noqa: E402
-from npformer.generate import generate  # noqa: E402
 from npformer.losses import mse_loss, next_token_loss  # noqa: E402
-from npformer.models.bert import bert_mask_tokens, mlm_step_loss  # noqa: E402
-from npformer.optim import AdamW, clip_grad_norm  # noqa: E402
+from npformer.models.bert import bert_mask_tokens  # noqa: E402
+from npformer.optim import AdamW, train_step  # noqa: E402
 from npformer.perf import Shape, formula_memory, shape_of, train_flops  # noqa: E402
+from npformer.sampling import generate  # noqa: E402
+from npformer.softmax import cross_entropy  # noqa: E402
 
 MB = 1024 * 1024
 
@@ -249,7 +250,7 @@ def copy_weights(torch, npf_model, torch_model) -> dict[int, str]:
 class Case:
     shape: Shape
     make_npf: Callable[[], object]  # a fresh npformer model (the same weights each call)
-    npf_loss: Callable[[object], float]  # forward + loss + backward; returns the loss
+    npf_objective: Callable[[object, object], tuple]  # (model, batch) -> (loss, dout)
     torch_loss: Callable[[object], object]  # forward + loss; returns the loss tensor
     betas: tuple[float, float]
     weight_decay: float
@@ -265,10 +266,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     ids_e = rng.integers(0, ec.vocab_size, (32, ec.block_size))
     ids_e_t = torch.from_numpy(ids_e)
 
-    def enc_np(model) -> float:
-        loss, dout = mse_loss(model.forward(ids_e), model.target(ids_e))
-        model.backward(dout)
-        return loss
+    def enc_np(model, _batch) -> tuple[float, np.ndarray]:
+        return mse_loss(model.forward(ids_e), model.target(ids_e))
 
     cases["encoder"] = Case(
         shape_of(npf.Encoder(ec), *ids_e.shape, name="encoder"),
@@ -285,8 +284,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     inputs_t, pos_t = torch.from_numpy(inputs), torch.from_numpy(positions)
     y_t = torch.from_numpy(targets[positions])
 
-    def bert_np(model) -> float:
-        return mlm_step_loss(model, inputs, targets)[0]
+    def bert_np(model, _batch) -> tuple[float, np.ndarray]:
+        return cross_entropy(model.forward_mlm(inputs, positions), targets[positions])
 
     cases["mini_bert"] = Case(
         shape_of(npf.BERT(bc), *rows.shape, head_rows=int(positions.sum()), name="mini_bert"),
@@ -298,10 +297,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     ids_g = rng.integers(0, gc_.vocab_size, (12, gc_.block_size))
     ids_g_t = torch.from_numpy(ids_g)
 
-    def gpt_np(model) -> float:
-        loss, dlogits = next_token_loss(model.forward(ids_g), ids_g)
-        model.backward(dlogits)
-        return loss
+    def gpt_np(model, _batch) -> tuple[float, np.ndarray]:
+        return next_token_loss(model.forward(ids_g), ids_g)
 
     cases["gpt_baby"] = Case(
         shape_of(npf.GPT(gc_), *ids_g.shape, name="gpt_baby"),
@@ -329,12 +326,8 @@ def npf_stepper(case: Case, model):
     opt = AdamW(model.named_parameters(), lr=case.lr, betas=case.betas,
                 weight_decay=case.weight_decay)
 
-    def step() -> tuple[float, float]:
-        opt.zero_grad()
-        loss = case.npf_loss(model)
-        norm = clip_grad_norm(model.named_parameters(), 1.0)
-        opt.step()
-        return loss, norm
+    def step() -> tuple[float, float]:  # the book's one training step
+        return train_step(model, opt, case.npf_objective, None, max_norm=1.0)
 
     return step, opt
 

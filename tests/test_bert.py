@@ -20,10 +20,8 @@ from npformer.models.bert import (
     bert_mask_tokens,
     bert_param_counts,
     bert_param_total,
-    evaluate_mlm,
     mlm_sequences,
     mlm_step_loss,
-    train_mlm,
 )
 from npformer.optim import AdamW
 from npformer.pretrained import (
@@ -35,6 +33,7 @@ from npformer.pretrained import (
     mean_pool,
     sentence_embeddings,
 )
+from npformer.recipes import evaluate_mlm, train_mlm
 
 TINY = BERTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8, d_ff=12,
                   dropout=0.0, dtype="float64")

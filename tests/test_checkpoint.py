@@ -11,6 +11,7 @@ import safetensors.numpy
 
 import npformer as npf
 import npformer.checkpoint as ckpt_module
+from npformer.checkpoint import generator_states
 
 
 def tiny_gpt(dropout=0.1, seed=0):
@@ -43,7 +44,7 @@ def test_round_trip_is_bit_exact_for_weights_config_step_and_generators(tmp_path
         assert name == name2 and q.dtype == p.dtype and np.array_equal(p, q), name
     assert ck.step == 3 and ck.extra == {"note": "hello"}
     assert ck.rng["data"] == data_rng.bit_generator.state
-    assert npf.generator_states(ck.model) == npf.generator_states(model)  # dropout continues
+    assert generator_states(ck.model) == generator_states(model)  # dropout continues
     for key, value in opt.state_dict().items():
         assert np.array_equal(ck.optimizer_state[key], value), key
         assert ck.optimizer_state[key].shape == value.shape, key

@@ -23,13 +23,13 @@ from npformer.data import (
     tokenizer_spec,
     train_val_split,
 )
+from npformer.models.bert import bert_mask_tokens
 from npformer.optim import train_step
 from npformer.train import (
     IGNORE,
     NonFiniteError,
     TrainConfig,
     Trainer,
-    mask_tokens,
     next_token_objective,
 )
 
@@ -211,7 +211,8 @@ def test_window_longer_than_the_data_is_rejected():
 
 def test_masking_follows_bert_80_10_10_on_the_chosen_positions():
     ids = np.random.default_rng(0).integers(0, 50, size=(200, 500))
-    inputs, targets = mask_tokens(ids, np.random.default_rng(1), mask_id=50, mask_prob=0.15)
+    # the one masker (the BERT chapter's), with [MASK] = 50 as the one special id
+    inputs, targets = bert_mask_tokens(ids, np.random.default_rng(1), 51, 50, [50], p=0.15)
     chosen = targets != IGNORE
     assert np.array_equal(targets[chosen], ids[chosen])  # targets are the original tokens
     assert np.array_equal(inputs[~chosen], ids[~chosen])  # others are untouched
@@ -226,7 +227,8 @@ def test_masking_follows_bert_80_10_10_on_the_chosen_positions():
 def test_masking_always_chooses_at_least_one_position():
     ids = np.zeros((1, 3), dtype=np.int32)
     for seed in range(20):
-        _, targets = mask_tokens(ids, np.random.default_rng(seed), mask_id=5, mask_prob=0.0)
+        # p must lie in (0, 1); at 1e-12 no position is chosen by chance, so one is forced
+        _, targets = bert_mask_tokens(ids, np.random.default_rng(seed), 6, 5, [5], p=1e-12)
         assert (targets != IGNORE).sum() == 1
 
 

@@ -13,15 +13,29 @@ import numpy as np
 import pytest
 
 import npformer as npf
-from npformer.generate import generate
 from npformer.models.bert import BERT, BERTConfig
 from npformer.models.encoder import Encoder, EncoderConfig
 from npformer.models.gpt import GPT, GPTConfig
-from npformer.module import (check_array, check_bool, check_choice, check_count, check_ids,
-                             check_int, check_mask, check_positive, check_probability,
-                             check_real, check_seed, check_type, fail)
+from npformer.module import (
+    check_array,
+    check_bool,
+    check_choice,
+    check_count,
+    check_ids,
+    check_int,
+    check_mask,
+    check_positive,
+    check_probability,
+    check_real,
+    check_seed,
+    check_type,
+    fail,
+)
+from npformer.sampling import generate
 
 # ---------------------------------------------------------------- the vocabulary
+
+SEED_ERROR = r"^seed: expected None, an integer >= 0, a list of them or a numpy"
 
 
 def test_fail_writes_the_one_message_shape():
@@ -114,7 +128,7 @@ def test_check_seed_gives_a_generator_and_names_a_bad_seed():
     assert check_seed(7).random() == np.random.default_rng(7).random()
     assert check_seed([3, 1]).random() == np.random.default_rng([3, 1]).random()
     for bad in ("abc", -1, 1.5, True, [1, -1], [], "12"):
-        with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0, a list of them or a "):
+        with pytest.raises(ValueError, match=SEED_ERROR):
             check_seed(bad)
 
 
@@ -160,13 +174,13 @@ def test_backward_before_forward_is_a_named_error(name):
                                        d_model=4, d_ff=8), seed=seed),
 ])
 def test_a_seed_that_is_not_a_seed_is_refused_by_name(make):
-    with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0, a list of them or a numpy"):
+    with pytest.raises(ValueError, match=SEED_ERROR):
         make("abc")
 
 
 def test_generate_refuses_a_string_seed_by_name():
     model = GPT(GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, d_model=4), seed=0)
-    with pytest.raises(ValueError, match=r"^seed: expected None, an integer >= 0, a list of them or a numpy"):
+    with pytest.raises(ValueError, match=SEED_ERROR):
         generate(model, np.array([[1, 2]]), 1, seed="abc")
 
 
