@@ -54,10 +54,11 @@ OPTION_RE = re.compile(r"^:([A-Za-z0-9_-]+):\s*(.*)$")
 class TangleError(Exception):
     """An error in the book, reported at ``book/<chapter>.md:<line>``."""
 
-    def __init__(self, where: str, message: str):
+    def __init__(self, where: str, message: str, code: int = 1):
         super().__init__(f"{where}: error: {message}")
         self.where = where
         self.message = message
+        self.code = code  # 2: tangle refused a run that would have deleted the package
 
 
 # --------------------------------------------------------------------------- parsing
@@ -99,25 +100,76 @@ def _yaml():
     return yaml
 
 
+def load_yaml(text: str, path: str, first_line: int = 1):
+    """Parse YAML that starts at ``path:first_line``; errors and duplicate keys are
+    reported at the line they are on."""
+    yaml = _yaml()
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = first_line + key_node.start_mark.line
+                if key in seen:
+                    raise TangleError(f"{path}:{line}", f"duplicate key {key!r} (first at "
+                                      f"line {seen[key]}); YAML would keep only the last")
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    try:
+        return yaml.load(text, Loader=Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = first_line + (mark.line if mark else 0)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise TangleError(f"{path}:{line}", f"not valid YAML: {problem}") from None
+
+
+def read_text(path: Path, rel: str) -> str:
+    """A file's text as UTF-8; a bad byte or a byte-order mark is an error at its line."""
+    data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise TangleError(f"{rel}:1", "file starts with a UTF-8 byte-order mark, which hides "
+                          "its front matter; save it as UTF-8 without a BOM")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise TangleError(f"{rel}:{line}", f"not valid UTF-8: byte 0x{data[exc.start]:02x} at "
+                          f"column {col}; save the file as UTF-8") from None
+
+
 def read_toc(root: Path) -> list[str]:
     """Chapter files (relative paths with .md) in _toc.yml order."""
     toc_path = root / "_toc.yml"
     if not toc_path.exists():
         raise TangleError("_toc.yml", "not found")
-    toc = _yaml().safe_load(toc_path.read_text(encoding="utf-8")) or {}
+    toc = load_yaml(read_text(toc_path, "_toc.yml"), "_toc.yml")
+    if not isinstance(toc, dict):
+        raise TangleError("_toc.yml:1", "expected a mapping with 'root' and 'parts' or "
+                          f"'chapters', got {type(toc).__name__}; nothing was written", code=2)
     files: list[str] = []
 
-    def visit(entry):
-        if isinstance(entry, dict):
-            if "file" in entry:
-                files.append(entry["file"])
-            for key in ("parts", "chapters", "sections"):
-                for sub in entry.get(key, []) or []:
-                    visit(sub)
+    def visit(entry, where):
+        if not isinstance(entry, dict):
+            raise TangleError("_toc.yml:1", f"{where}: expected a mapping, got {entry!r}")
+        if "file" in entry:
+            if not isinstance(entry["file"], str):
+                raise TangleError("_toc.yml:1", f"{where}.file: expected a path, "
+                                  f"got {entry['file']!r}")
+            files.append(entry["file"])
+        for key in ("parts", "chapters", "sections"):
+            subs = entry.get(key) or []
+            if not isinstance(subs, list):
+                raise TangleError("_toc.yml:1", f"{where}.{key}: expected a list, got {subs!r}")
+            for n, sub in enumerate(subs):
+                visit(sub, f"{where}.{key}[{n}]")
 
     if "root" in toc:
         files.append(toc["root"])
-    visit(toc)
+    visit(toc, "toc")
     out = []
     for f in files:
         f = f if f.endswith(".md") else f + ".md"
@@ -127,6 +179,10 @@ def read_toc(root: Path) -> list[str]:
             continue  # plain notebooks carry no exports
         else:
             raise TangleError("_toc.yml", f"chapter {f!r} listed but not found")
+    if not out:
+        raise TangleError("_toc.yml:1", "lists no chapter: tangle would delete the whole "
+                          "package (expected 'root' and 'parts' with 'chapters'); nothing "
+                          "was written", code=2)
     return out
 
 
@@ -136,27 +192,26 @@ def parse_front_matter(lines: list[str], path: str) -> tuple[dict, int]:
         return {}, 0
     for i in range(1, len(lines)):
         if lines[i].strip() == "---":
-            try:
-                data = _yaml().safe_load("\n".join(lines[1:i])) or {}
-            except Exception as exc:  # yaml.YAMLError
-                raise TangleError(f"{path}:1", f"front matter is not valid YAML: {exc}") from None
+            data = load_yaml("\n".join(lines[1:i]), path, first_line=2) or {}
+            if not isinstance(data, dict):
+                raise TangleError(f"{path}:2", "front matter must be a mapping")
             return data, i + 1
     raise TangleError(f"{path}:1", "front matter opened with '---' is never closed")
 
 
 def parse_options(opt_lines: list[str], where: str) -> dict:
-    yaml = _yaml()
+    path, _, fence = where.rpartition(":")
     text = "\n".join(opt_lines)
-    try:
-        if opt_lines and opt_lines[0].strip() == "---":
-            data = yaml.safe_load("\n".join(opt_lines[1:-1])) or {}
-        else:
-            data = {}
-            for line in opt_lines:
-                m = OPTION_RE.match(line.strip())
-                data[m.group(1)] = yaml.safe_load(m.group(2)) if m.group(2) else None
-    except Exception as exc:
-        raise TangleError(where, f"cell options do not parse: {exc}\n{text}") from None
+    if opt_lines and opt_lines[0].strip() == "---":
+        data = load_yaml("\n".join(opt_lines[1:-1]), path, int(fence) + 2) or {}
+    else:
+        data = {}
+        for n, line in enumerate(opt_lines):
+            m = OPTION_RE.match(line.strip())
+            at = int(fence) + 1 + n
+            if m.group(1) in data:
+                raise TangleError(f"{path}:{at}", f"duplicate cell option {m.group(1)!r}")
+            data[m.group(1)] = load_yaml(m.group(2), path, at) if m.group(2) else None
     if not isinstance(data, dict):
         raise TangleError(where, f"cell options must be key: value pairs, got {text!r}")
     return data
@@ -181,7 +236,7 @@ def slug(text: str) -> str:
 
 def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
     """Read one chapter: its front matter and its code cells with line numbers."""
-    lines = (root / rel).read_text(encoding="utf-8").splitlines()
+    lines = read_text(root / rel, rel).splitlines()
     meta, i = parse_front_matter(lines, rel)
     conf = meta.get(PACKAGE) or {}
     if not isinstance(conf, dict):
@@ -214,6 +269,10 @@ def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
         j = i + 1
         close = re.compile("^" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}\s*$")
         while j < len(lines) and not close.match(lines[j]):
+            nxt = FENCE_RE.match(lines[j])
+            if is_cell and nxt and nxt.group(2):
+                raise TangleError(f"{rel}:{start + 1}", "code cell is not closed before the "
+                                  f"next code cell at line {j + 1}: add its closing {fence}")
             j += 1
         if j == len(lines):
             raise TangleError(f"{rel}:{start + 1}", "code fence is never closed")
@@ -252,6 +311,12 @@ def assign_targets(chapter: Chapter) -> None:
         tags = cell.options.get("tags") or []
         if isinstance(tags, str):
             tags = [tags]
+        if not isinstance(tags, list):
+            raise TangleError(cell.where_option("tags"), f"tags: expected a list, got {tags!r}")
+        for tag in tags:
+            if tag != "export" and difflib.get_close_matches(str(tag), ["export"], cutoff=0.6):
+                raise TangleError(cell.where_option("tags"), f"unknown tag {tag!r}: did you "
+                                  "mean 'export'? (the cell would silently stay a demo)")
         target = cell.options.get("module")
         if "export" not in tags:
             if target is not None:
@@ -512,17 +577,16 @@ def render(book: Book) -> tuple[dict[str, str], dict[str, list[str | None]]]:
     src = f"src/{PACKAGE}"
     for module, cells in sorted(book.modules.items(), key=lambda kv: _order(book, kv[1])):
         sources = sorted({c.chapter for c in cells}, key=lambda p: _chapter_index(book, p))
-        body_lines: list[str] = []
-        locs: list[str | None] = []
-        for k, cell in enumerate(cells):
-            if k:
-                body_lines += ["", ""]
-                locs += [None, None]
+        body_lines, locs = hoist_imports(cells)
+        for k, (cell, code, code_locs) in enumerate(_cells_without_imports(cells)):
+            if k or body_lines:  # after the imports, isort's rule: two blank lines before a
+                gap = 2 if k or _starts_a_definition(code) else 1  # def or class, else one
+                body_lines += [""] * gap
+                locs += [None] * gap
             body_lines.append(f"# [{cell.chapter} § {cell.anchor}]")
             locs.append(f"{cell.chapter}:{cell.fence_line}")
-            code = cell.source.rstrip().split("\n")
             body_lines += code
-            locs += [f"{cell.chapter}:{cell.code_line + n}" for n in range(len(code))]
+            locs += code_locs
         body = "\n".join(body_lines) + "\n"
         path = f"{src}/{module.replace('.', '/')}.py"
         try:  # the module as a whole must compile (e.g. __future__ imports come first)
@@ -541,6 +605,123 @@ def render(book: Book) -> tuple[dict[str, str], dict[str, list[str | None]]]:
     return files, linemap
 
 
+# --------------------------------------------------------------------------- imports
+#
+# The book keeps each cell's imports where the reader sees what the cell uses; a
+# generated module has them once, at the top, merged, deduplicated and sorted the way
+# ruff's isort rules (I001) sort them: __future__, standard library, third party,
+# npformer; straight imports before from-imports; names by type (CONSTANTS, Classes,
+# functions), then alphabetically.
+
+LINE_LENGTH = 100
+
+
+def _top_level_imports(cell: Cell) -> list[ast.stmt]:
+    tree = ast.parse(cell.source)
+    return [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def _cells_without_imports(cells: list[Cell]):
+    """Yield (cell, code lines, their book locations) with top-level imports removed."""
+    for cell in cells:
+        lines = cell.source.rstrip().split("\n")
+        drop = set()
+        for node in _top_level_imports(cell):
+            drop.update(range(node.lineno - 1, node.end_lineno))
+        kept = [(n, line) for n, line in enumerate(lines) if n not in drop]
+        # no blank lines left at the start, and none in runs longer than two
+        while kept and not kept[0][1].strip():
+            kept.pop(0)
+        code, code_locs, blanks = [], [], 0
+        for n, line in kept:
+            blanks = blanks + 1 if not line.strip() else 0
+            if blanks > 2:
+                continue
+            code.append(line)
+            code_locs.append(f"{cell.chapter}:{cell.code_line + n}")
+        if any(line.strip() for line in code):
+            yield cell, code, code_locs
+
+
+def _starts_a_definition(code: list[str]) -> bool:
+    """True if the code opens with a def or class (comments directly above it allowed)."""
+    for line in code:
+        if not line.strip():
+            return False  # a comment block of its own comes first
+        if not line.startswith("#"):
+            return line.startswith(("def ", "class ", "@", "async def "))
+    return False
+
+
+def _section(module: str) -> int:
+    top = module.split(".")[0]
+    if top == "__future__":
+        return 0
+    if top in sys.stdlib_module_names:
+        return 1
+    return 3 if top == PACKAGE else 2
+
+
+def _member_key(name: str) -> tuple:
+    kind = 0 if name.isupper() and len(name) > 1 else 1 if name[:1].isupper() else 2
+    return kind, name.lower(), name
+
+
+def hoist_imports(cells: list[Cell]) -> tuple[list[str], list[str | None]]:
+    """The module's import block, as lines, and the book location of each line.
+
+    A line maps to the book line it came from when it is that line, unchanged.
+    """
+    straight: dict[tuple[str, str | None], str] = {}  # (module, alias) -> book location
+    froms: dict[str, dict[tuple[str, str | None], str]] = {}
+    origin: dict[str, str] = {}  # the text of a one-line statement -> its book location
+    for cell in cells:
+        lines = cell.source.split("\n")
+        for node in _top_level_imports(cell):
+            where = f"{cell.chapter}:{cell.code_line + node.lineno - 1}"
+            if node.lineno == node.end_lineno:
+                origin.setdefault(lines[node.lineno - 1].rstrip(), where)
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    straight.setdefault((a.name, a.asname), where)
+            else:
+                module = "." * node.level + (node.module or "")
+                for a in node.names:
+                    froms.setdefault(module, {}).setdefault((a.name, a.asname), where)
+    out = format_imports(list(straight), {m: list(names) for m, names in froms.items()})
+    return out, [origin.get(line) for line in out]
+
+
+def format_imports(straight: list[tuple[str, str | None]],
+                   froms: dict[str, list[tuple[str, str | None]]],
+                   comments: dict[str, str] | None = None) -> list[str]:
+    """Import statements as isort (ruff I001) writes them; ``comments`` by from-module."""
+    statements: list[tuple[int, int, str, list[str]]] = []
+    for module, alias in straight:
+        text = f"import {module}" + (f" as {alias}" if alias else "")
+        statements.append((_section(module), 0, module.lower(), [text]))
+    for module, names in froms.items():
+        members = [n + (f" as {a}" if a else "") for n, a in
+                   sorted(names, key=lambda na: (_member_key(na[0]), na[1] or ""))]
+        text = f"from {module} import {', '.join(members)}"
+        if comments and module in comments:
+            text += f"  # {comments[module]}"
+        if len(text) > LINE_LENGTH:
+            text_lines = [f"from {module} import ("] + [f"    {m}," for m in members] + [")"]
+        else:
+            text_lines = [text]
+        statements.append((_section(module), 1, module.lower(), text_lines))
+    statements.sort(key=lambda st: st[:3])
+    out: list[str] = []
+    previous = None
+    for section, _, _, text_lines in statements:
+        if previous is not None and section != previous:
+            out.append("")
+        previous = section
+        out += text_lines
+    return out
+
+
 def _chapter_index(book: Book, path: str) -> int:
     return next(ch.index for ch in book.chapters if ch.path == path)
 
@@ -548,6 +729,36 @@ def _chapter_index(book: Book, path: str) -> int:
 def _order(book: Book, cells: list[Cell]) -> tuple[int, int]:
     first = cells[0]
     return (_chapter_index(book, first.chapter), first.fence_line)
+
+
+def curated_names(book: Book) -> dict[str, str] | None:
+    """The root package's public surface, {name: module}, from the chapters' front matter.
+
+    A chapter lists the names a user reaches for under ``npformer: public: [...]``; each
+    must be a public name of one of the chapter's modules. None when no chapter lists any
+    (then the root re-exports every public name).
+    """
+    curated: dict[str, str] = {}
+    listed = False
+    for ch in book.chapters:
+        lines = (book.root / ch.path).read_text(encoding="utf-8").splitlines()
+        conf = parse_front_matter(lines, ch.path)[0].get(PACKAGE) or {}
+        names = conf.get("public") if isinstance(conf, dict) else None
+        if names is None:
+            continue
+        listed = True
+        line = next((n + 1 for n, text in enumerate(lines) if text.strip().startswith("public:")),
+                    1)
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise TangleError(f"{ch.path}:{line}", "'public' must be a list of names")
+        mods = ([ch.module] if ch.module else []) + ch.modules
+        for n in names:
+            owner = next((m for m in mods if n in book.exports.get(m, [])), None)
+            if owner is None:
+                raise TangleError(f"{ch.path}:{line}", f"public name {n!r} is not exported "
+                                  f"by this chapter's modules {mods}")
+            curated[n] = owner
+    return curated if listed else None
 
 
 def render_init(book: Book, pkg: str) -> str:
@@ -564,18 +775,17 @@ def render_init(book: Book, pkg: str) -> str:
     else:
         doc = (
             f'"""{PACKAGE}: transformers by hand, in NumPy.\n\n'
-            "Every name below is defined, derived and tested in a chapter of the book.\n"
+            "Every name below is defined, derived and tested in a chapter of the book, which\n"
+            "lists it in its front matter; the rest is in the modules (npformer.optim, ...).\n"
             "`python tangle.py where <file>:<line>` finds the chapter line.\n"
             '"""\n'
         )
-    lines = [doc]
+    curated = None if pkg else curated_names(book)
     names: dict[str, str] = {}
+    froms: dict[str, list[tuple[str, None]]] = {}
+    comments: dict[str, str] = {}
     for m in mods:
         public = book.exports.get(m, [])
-        if not public:
-            parent, _, leaf = f"{PACKAGE}.{m}".rpartition(".")
-            lines.append(f"from {parent} import {leaf}  # noqa: F401")
-            continue
         for n in public:
             if n in names:
                 d = book.definitions[(m, n)]
@@ -585,14 +795,21 @@ def render_init(book: Book, pkg: str) -> str:
                     f"{PACKAGE}.{m}; rename one or make it private with a leading '_'",
                 )
             names[n] = m
-        joined = ", ".join(public)
-        stmt = f"from {PACKAGE}.{m} import {joined}"
-        if len(stmt) > 95:
-            stmt = f"from {PACKAGE}.{m} import (\n" + "".join(f"    {n},\n" for n in public) + ")"
-        lines.append(stmt)
+        if curated is not None:
+            public = [n for n in public if curated.get(n) == m]
+            if public:
+                froms[f"{PACKAGE}.{m}"] = [(n, None) for n in public]
+        elif public:
+            froms[f"{PACKAGE}.{m}"] = [(n, None) for n in public]
+        else:  # imported all the same, as a valid statement
+            parent, _, leaf = f"{PACKAGE}.{m}".rpartition(".")
+            froms[parent] = froms.get(parent, []) + [(leaf, None)]
+            comments[parent] = "noqa: F401"
+    exported = sorted(curated if curated is not None else names)
+    lines = [doc] + format_imports([], froms, comments)
     lines.append("")
     lines.append("__all__ = [")
-    lines += [f'    "{n}",' for n in sorted(names)]
+    lines += [f'    "{n}",' for n in exported]
     lines.append("]")
     return "\n".join(lines) + "\n"
 
@@ -601,10 +818,18 @@ def render_init(book: Book, pkg: str) -> str:
 
 
 def read_generated(path: Path) -> tuple[str | None, bool]:
-    """Return (text, edited_by_hand) for an existing file, (None, False) if absent."""
+    """Return (text, edited_by_hand) for an existing file, (None, False) if absent.
+
+    A file that is not valid UTF-8 was not written by tangle as it stands: it counts as
+    edited by hand, and its text is shown with the bad bytes replaced.
+    """
     if not path.exists():
         return None, False
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", errors="replace"), True
     lines = text.split("\n", 3)
     if (
         len(lines) < 4
@@ -616,36 +841,80 @@ def read_generated(path: Path) -> tuple[str | None, bool]:
     return text, lines[2][len(HASH_PREFIX) :].strip() != _digest(signed)
 
 
+def is_generated(path: Path) -> bool:
+    """Whether tangle wrote this file: its first line is tangle's header."""
+    with path.open("rb") as f:
+        return f.readline().startswith(HEADER_MARK.encode())
+
+
 def existing_generated(root: Path) -> list[str]:
+    """Files under src/npformer that tangle wrote (hand-written files are never listed)."""
     base = root / "src" / PACKAGE
     if not base.exists():
         return []
-    return sorted(str(p.relative_to(root)) for p in base.rglob("*.py"))
+    return sorted(str(p.relative_to(root)) for p in base.rglob("*.py") if is_generated(p))
+
+
+def public_names(text: str | None, init: bool = False) -> set[str]:
+    """Top-level public names a module's text defines, and for a package's ``__init__``
+    the names it re-exports (empty if it does not parse)."""
+    try:
+        tree = ast.parse(text or "")
+    except SyntaxError:
+        return set()
+    imports = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
+    reexported = {a.asname or a.name for node in imports if init
+                  and (node.level > 0 or (node.module or "").startswith(PACKAGE))
+                  for a in node.names}
+    return set(public_defs(tree)) | {n for n in reexported if not n.startswith("_")}
 
 
 def plan(root: Path):
     """Compare what the book produces with what is on disk."""
     book = load_book(root)
     files, linemap = render(book)
-    changed, edited, orphans = [], [], []
+    changed, edited, orphans, foreign = [], [], [], []
     for rel, text in files.items():
         old, hand = read_generated(root / rel)
         if old != text:
             changed.append(rel)
             if old is not None and hand:
                 edited.append(rel)
+                if not is_generated(root / rel):
+                    foreign.append(rel)
     for rel in existing_generated(root):
         if rel not in files:
             old, hand = read_generated(root / rel)
             orphans.append(rel)
             if hand:
                 edited.append(rel)
-    return book, files, linemap, changed, edited, orphans
+    return book, files, linemap, changed, edited, orphans, foreign
+
+
+def warnings(root: Path, book: Book, files: dict[str, str], orphans: list[str]) -> list[str]:
+    """What a run would make disappear, and chapters the toc leaves out."""
+    out = [f"warning: {rel} will be deleted: no chapter produces it any more" for rel in orphans]
+    for rel, text in files.items():
+        path = root / rel
+        if rel in orphans or not path.exists():
+            continue
+        old, _ = read_generated(path)
+        init = rel.endswith("__init__.py")
+        for name in sorted(public_names(old, init) - public_names(text, init)):
+            out.append(f"warning: {rel}: public name {name!r} is no longer produced by the book")
+    listed = {ch.path for ch in book.chapters}
+    for md in sorted((root / "book").glob("*.md")) if (root / "book").exists() else []:
+        rel = md.relative_to(root).as_posix()
+        text = md.read_text(encoding="utf-8", errors="replace")
+        if rel not in listed and re.search(r"^:tags:.*\bexport\b", text, re.M):
+            out.append(f"warning: {rel} has exported cells but is not in _toc.yml: "
+                       "its code is not in the package")
+    return out
 
 
 def _diff(root: Path, rel: str, new: str | None) -> str:
     path = root / rel
-    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    old = read_generated(path)[0] or ""
     return "".join(
         difflib.unified_diff(
             old.splitlines(keepends=True),
@@ -674,7 +943,9 @@ def _blame(book: Book, rel: str) -> str:
 
 def tangle(root: Path, check: bool = False, force: bool = False, out=None) -> int:
     out = sys.stdout if out is None else out
-    book, files, _, changed, edited, orphans = plan(root)
+    book, files, _, changed, edited, orphans, foreign = plan(root)
+    for line in warnings(root, book, files, orphans):
+        print(line, file=sys.stderr)
     if check:
         for rel in changed:
             state = "missing" if not (root / rel).exists() else "stale"
@@ -689,6 +960,21 @@ def tangle(root: Path, check: bool = False, force: bool = False, out=None) -> in
             print("src/ is out of date with the book: run `python tangle.py`", file=out)
             return 1
         return 0
+    for rel in foreign:
+        print(f"{rel}: error: this file was not written by tangle (it has no tangle header), "
+              "and a chapter now produces it; move it away, then run `python tangle.py`. "
+              "Not even --force overwrites a hand-written file.", file=sys.stderr)
+    if foreign:
+        return 2
+    modules = [rel for rel in existing_generated(root) if not rel.endswith("__init__.py")]
+    gone = [rel for rel in orphans if not rel.endswith("__init__.py")]
+    kept = len(modules) - len(gone)
+    if len(gone) >= 3 and len(gone) > kept:
+        print(f"error: this run would delete {len(gone)} of the "
+              f"{len(modules)} generated modules in src/{PACKAGE}, which looks like a "
+              "broken _toc.yml or book, not a clean-up; nothing was written. If you meant "
+              "it, delete those files yourself, then run `python tangle.py`.", file=sys.stderr)
+        return 2
     if edited and not force:
         for rel in edited:
             print(
@@ -766,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
         return tangle(args.root, check=args.check, force=args.force)
     except TangleError as exc:
         print(exc, file=sys.stderr)
-        return 1
+        return exc.code
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 import npformer as npf  # noqa: E402
+from npformer.models.encoder import reconstruction_metrics
 
 LOG = Path(__file__).resolve().parents[1] / "book" / "data" / "encoder_runs.json"
 EVAL_SEED, EVAL_BATCH = 123, 256  # a held-out batch of fresh random sequences
@@ -51,7 +52,7 @@ def run(name: str, steps: int | None = None) -> dict:
     ids = np.random.default_rng(EVAL_SEED).integers(0, model.config.vocab_size,
                                                     (EVAL_BATCH, model.config.block_size))
     out = model.forward(ids)  # (B, T, d)
-    final = npf.reconstruction_metrics(out, ids, model.wte.W)
+    final = reconstruction_metrics(out, ids, model.wte.W)
     return {"about": about, "lr": lr, "freeze": list(freeze), "steps": steps or full_steps,
             "seconds": round(seconds, 1), "history": history, "final": final,
             "wte_std": float(model.wte.W.std()), "ln_f": ln_f_features(model, out)}

@@ -28,9 +28,10 @@ from pathlib import Path
 import numpy as np
 
 import npformer
-from npformer.generate import generate
+from npformer.data import sample_windows
 from npformer.models.gpt import GPT, GPTConfig
-from npformer.optim import AdamW, clip_grad_norm, warmup_cosine
+from npformer.optim import AdamW, train_loop, train_step, warmup_cosine
+from npformer.sampling import generate
 from npformer.softmax import cross_entropy
 from npformer.tokenizer import CharTokenizer
 
@@ -48,14 +49,18 @@ def pydoc_corpus() -> str:
 def get_batch(data: np.ndarray, rng: np.random.Generator, batch: int = BATCH,
               block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Random windows of block + 1 tokens: inputs x (B, T) and next tokens y (B, T)."""
-    starts = rng.integers(0, len(data) - block, size=batch)
-    w = np.stack([data[s:s + block + 1] for s in starts])  # (B, T + 1)
+    w = sample_windows(data, batch, block + 1, rng)  # (B, T + 1)
     return w[:, :-1], w[:, 1:]
+
+
+def next_char_objective(model: GPT, batch) -> tuple[float, np.ndarray]:
+    x, y = batch
+    return cross_entropy(model.forward(x), y)  # (mean loss, dlogits (B, T, V))
 
 
 def estimate_loss(model: GPT, batches) -> float:
     model.eval()
-    losses = [cross_entropy(model.forward(x), y)[0] for x, y in batches]
+    losses = [next_char_objective(model, batch)[0] for batch in batches]
     model.train()
     return float(np.mean(losses))
 
@@ -74,25 +79,25 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
     eval_rng = np.random.default_rng(2)  # fixed evaluation batches
     fixed = {"train": [get_batch(train_data, eval_rng) for _ in range(eval_batches)],
              "val": [get_batch(val_data, eval_rng) for _ in range(eval_batches)]}
-    train_loss, evals = [], []
+    evals = []
+
+    def update(step: int) -> tuple[float, float]:
+        lr = warmup_cosine(step, peak_lr=PEAK_LR, warmup_steps=min(WARMUP, steps),
+                           total_steps=steps, min_lr=MIN_LR)
+        return train_step(model, opt, next_char_objective, get_batch(train_data, rng), lr=lr,
+                          max_norm=1.0)
+
+    def on_eval(r: dict) -> None:
+        if r["val"] is not None:
+            evals.append({"step": r["step"], **r["val"]})
+            log(f"step {r['step']:5d}  train {r['val']['train']:.4f}  "
+                f"val {r['val']['val']:.4f}  {time.perf_counter() - t0:7.1f} s")
+
     t0 = time.perf_counter()
-    for step in range(steps + 1):
-        if step % eval_every == 0 or step == steps:
-            e = {"step": step, **{k: estimate_loss(model, b) for k, b in fixed.items()}}
-            evals.append(e)
-            log(f"step {step:5d}  train {e['train']:.4f}  val {e['val']:.4f}  "
-                f"{time.perf_counter() - t0:7.1f} s")
-        if step == steps:
-            break
-        opt.lr = warmup_cosine(step, peak_lr=PEAK_LR, warmup_steps=min(WARMUP, steps),
-                               total_steps=steps, min_lr=MIN_LR)
-        x, y = get_batch(train_data, rng)
-        model.zero_grad()
-        loss, dlogits = cross_entropy(model.forward(x), y)
-        model.backward(dlogits)
-        clip_grad_norm(model.named_parameters(), 1.0)
-        opt.step()
-        train_loss.append(loss)
+    records = train_loop(update, steps=steps, eval_every=eval_every, evaluate_first=True,
+                         evaluate=lambda: {k: estimate_loss(model, b) for k, b in fixed.items()},
+                         on_step=on_eval)
+    train_loss = [r["loss"] for r in records if r["loss"] is not None]
     wall = time.perf_counter() - t0
     prompt = np.array([tok.encode(SAMPLE_PROMPT)])  # (1, T)
     samples = [{"settings": kw, "text": tok.decode(generate(model, prompt, 300, seed=0, **kw)[0])}

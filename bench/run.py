@@ -62,6 +62,8 @@ import math  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -76,11 +78,12 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 import npformer as npf  # noqa: E402
-from npformer.generate import generate  # noqa: E402
 from npformer.losses import mse_loss, next_token_loss  # noqa: E402
-from npformer.models.bert import bert_mask_tokens, mlm_step_loss  # noqa: E402
-from npformer.optim import AdamW, clip_grad_norm  # noqa: E402
+from npformer.models.bert import bert_mask_tokens  # noqa: E402
+from npformer.optim import AdamW, train_step  # noqa: E402
 from npformer.perf import Shape, formula_memory, shape_of, train_flops  # noqa: E402
+from npformer.sampling import generate  # noqa: E402
+from npformer.softmax import cross_entropy  # noqa: E402
 
 MB = 1024 * 1024
 
@@ -247,7 +250,7 @@ def copy_weights(torch, npf_model, torch_model) -> dict[int, str]:
 class Case:
     shape: Shape
     make_npf: Callable[[], object]  # a fresh npformer model (the same weights each call)
-    npf_loss: Callable[[object], float]  # forward + loss + backward; returns the loss
+    npf_objective: Callable[[object, object], tuple]  # (model, batch) -> (loss, dout)
     torch_loss: Callable[[object], object]  # forward + loss; returns the loss tensor
     betas: tuple[float, float]
     weight_decay: float
@@ -263,10 +266,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     ids_e = rng.integers(0, ec.vocab_size, (32, ec.block_size))
     ids_e_t = torch.from_numpy(ids_e)
 
-    def enc_np(model) -> float:
-        loss, dout = mse_loss(model.forward(ids_e), model.target(ids_e))
-        model.backward(dout)
-        return loss
+    def enc_np(model, _batch) -> tuple[float, np.ndarray]:
+        return mse_loss(model.forward(ids_e), model.target(ids_e))
 
     cases["encoder"] = Case(
         shape_of(npf.Encoder(ec), *ids_e.shape, name="encoder"),
@@ -283,8 +284,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     inputs_t, pos_t = torch.from_numpy(inputs), torch.from_numpy(positions)
     y_t = torch.from_numpy(targets[positions])
 
-    def bert_np(model) -> float:
-        return mlm_step_loss(model, inputs, targets)[0]
+    def bert_np(model, _batch) -> tuple[float, np.ndarray]:
+        return cross_entropy(model.forward_mlm(inputs, positions), targets[positions])
 
     cases["mini_bert"] = Case(
         shape_of(npf.BERT(bc), *rows.shape, head_rows=int(positions.sum()), name="mini_bert"),
@@ -296,10 +297,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     ids_g = rng.integers(0, gc_.vocab_size, (12, gc_.block_size))
     ids_g_t = torch.from_numpy(ids_g)
 
-    def gpt_np(model) -> float:
-        loss, dlogits = next_token_loss(model.forward(ids_g), ids_g)
-        model.backward(dlogits)
-        return loss
+    def gpt_np(model, _batch) -> tuple[float, np.ndarray]:
+        return next_token_loss(model.forward(ids_g), ids_g)
 
     cases["gpt_baby"] = Case(
         shape_of(npf.GPT(gc_), *ids_g.shape, name="gpt_baby"),
@@ -327,12 +326,8 @@ def npf_stepper(case: Case, model):
     opt = AdamW(model.named_parameters(), lr=case.lr, betas=case.betas,
                 weight_decay=case.weight_decay)
 
-    def step() -> tuple[float, float]:
-        opt.zero_grad()
-        loss = case.npf_loss(model)
-        norm = clip_grad_norm(model.named_parameters(), 1.0)
-        opt.step()
-        return loss, norm
+    def step() -> tuple[float, float]:  # the book's one training step
+        return train_step(model, opt, case.npf_objective, None, max_norm=1.0)
 
     return step, opt
 
@@ -573,6 +568,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--profile-steps", type=int, default=None,
                     help="steps profiled per side after the timing, 0 for none (10; quick: 2)")
+    ap.add_argument("--ddp", action="store_true",
+                    help="also time data-parallel training on 2 MPI ranks (bench/ddp.py; "
+                         "needs the mpi extra)")
     args = ap.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 40)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
@@ -602,6 +600,14 @@ def main(argv: list[str] | None = None) -> dict:
                                          res["matmul_peak_gflops"], args.profile_steps)
     print("kv_cache ...", file=sys.stderr, flush=True)
     res["kv_cache"] = bench_kv_cache(256, repeats=1 if args.quick else 3)
+    if args.ddp:  # its own processes, one BLAS thread each: see bench/ddp.py
+        print("ddp ...", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "ddp.json"
+            subprocess.run([sys.executable, str(Path(__file__).with_name("ddp.py")),
+                            "--steps", "5" if args.quick else "30", "--out", str(out)],
+                           check=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+            res["ddp"] = json.loads(out.read_text())
     res["quick"] = bool(args.quick)
     res["runtime_s"] = time.perf_counter() - start
     print_table(res)

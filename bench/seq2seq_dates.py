@@ -35,7 +35,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from npformer.models.transformer import Transformer, TransformerConfig
-from npformer.optim import Adam, clip_grad_norm, warmup_inverse_sqrt
+from npformer.optim import Adam, train_loop, train_step, warmup_inverse_sqrt
 from npformer.seq2seq import (
     DATE_FORMATS,
     HELD_OUT_YEARS,
@@ -91,29 +91,37 @@ def train(steps: int, log=print) -> tuple[dict, Transformer]:
     opt = Adam(model.named_parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
     batch_rng = np.random.default_rng(3)
     peak = (D_MODEL * WARMUP) ** -0.5
-    losses, norms, evals, snapshots = [], [], [], []
-    t0 = time.perf_counter()
-    for step in range(steps):
+    snapshots = []
+
+    def batch():
         rows = batch_rng.integers(0, len(train_src), size=BATCH)
         src = train_src[rows]
-        src = src[:, :(src != PAD).sum(axis=1).max()]
-        opt.lr = warmup_inverse_sqrt(step, peak_lr=peak, warmup_steps=WARMUP)
-        model.zero_grad()
-        loss, dlogits = seq2seq_loss(model, src, train_tgt[rows])
-        model.backward(dlogits)
-        norms.append(clip_grad_norm(model.named_parameters(), 1.0))
-        opt.step()
-        losses.append(loss)
-        if (step + 1) % EVAL_EVERY == 0 or step + 1 == steps:
-            outs = decode_all(model.eval(), test_texts, src_vocab, tgt_vocab)
-            model.train()
-            acc = exact(outs, test_labels)
-            evals.append({"step": step + 1, "held_out_exact_match": acc,
-                          "time_s": time.perf_counter() - t0})
-            log(f"step {step + 1:6d}  loss {np.mean(losses[-EVAL_EVERY:]):.4f}  "
-                f"held-out exact match {acc:.2%}  {time.perf_counter() - t0:7.1f} s")
-        if (step + 1) % AVERAGE_EVERY == 0 and step + 1 > steps - AVERAGE * AVERAGE_EVERY:
+        return src[:, :(src != PAD).sum(axis=1).max()], train_tgt[rows]  # cut to the longest
+
+    def update(step):
+        lr = warmup_inverse_sqrt(step, peak_lr=peak, warmup_steps=WARMUP)
+        return train_step(model, opt, lambda m, b: seq2seq_loss(m, *b), batch(), lr=lr,
+                          max_norm=1.0)
+
+    def evaluate():
+        acc = exact(decode_all(model.eval(), test_texts, src_vocab, tgt_vocab), test_labels)
+        model.train()
+        return acc
+
+    def on_step(rec):
+        if rec["val"] is not None:
+            log(f"step {rec['step']:6d}  held-out exact match {rec['val']:.2%}  "
+                f"{time.perf_counter() - t0:7.1f} s")
+        if rec["step"] % AVERAGE_EVERY == 0 and rec["step"] > steps - AVERAGE * AVERAGE_EVERY:
             snapshots.append({n: p.copy() for n, p, _ in model.named_parameters()})
+
+    t0 = time.perf_counter()
+    records = train_loop(update, steps=steps, evaluate=evaluate, eval_every=EVAL_EVERY,
+                         on_step=on_step)
+    losses = [r["loss"] for r in records]
+    norms = [r["grad_norm"] for r in records]
+    evals = [{"step": r["step"], "held_out_exact_match": r["val"]}
+             for r in records if r["val"] is not None]
     wall = time.perf_counter() - t0
     last = {n: p.copy() for n, p, _ in model.named_parameters()}
     for name, p, _ in model.named_parameters():  # the average of the last checkpoints
@@ -153,7 +161,7 @@ def train(steps: int, log=print) -> tuple[dict, Transformer]:
         "optim": {"name": "Adam", "betas": [0.9, 0.98], "eps": 1e-9, "clip": 1.0,
                   "schedule": "warmup_inverse_sqrt", "peak_lr": peak, "warmup": WARMUP,
                   "batch": BATCH, "steps": steps},
-        "train_loss": [round(x, 6) for x in losses],
+        "train_loss": losses,
         "grad_norm": [round(x, 4) for x in norms],
         "evals": evals,
         "final": final,

@@ -20,10 +20,8 @@ from npformer.models.bert import (
     bert_mask_tokens,
     bert_param_counts,
     bert_param_total,
-    evaluate_mlm,
     mlm_sequences,
     mlm_step_loss,
-    train_mlm,
 )
 from npformer.optim import AdamW
 from npformer.pretrained import (
@@ -35,6 +33,7 @@ from npformer.pretrained import (
     mean_pool,
     sentence_embeddings,
 )
+from npformer.recipes import evaluate_mlm, train_mlm
 
 TINY = BERTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8, d_ff=12,
                   dropout=0.0, dtype="float64")
@@ -334,7 +333,7 @@ def test_param_total_of_the_notes_config_and_what_the_notes_counted():
     weights = sum(v for k, v in c.items() if k.startswith("h.*.") and k.endswith(".W"))
     assert sum(v for k, v in c.items() if k.startswith("h.*.")) == 444_864  # all 16 arrays
     one_ln = c["h.*.ln_1.gamma"] + c["h.*.ln_1.beta"]
-    assert weights + one_ln == 442_752  # the notes' per-layer number: no biases, one LN
+    assert weights + one_ln == 442_752  # the published per-layer number: no biases, one LN
     notes_rest = c["wte.W"] + c["wpe.W"] + 192 * 8192 + c["type_emb.W"]  # untied, no bias
     assert 3 * 442_752 + notes_rest == 4_486_656
 

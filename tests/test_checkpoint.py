@@ -11,6 +11,7 @@ import safetensors.numpy
 
 import npformer as npf
 import npformer.checkpoint as ckpt_module
+from npformer.checkpoint import generator_states
 
 
 def tiny_gpt(dropout=0.1, seed=0):
@@ -43,7 +44,7 @@ def test_round_trip_is_bit_exact_for_weights_config_step_and_generators(tmp_path
         assert name == name2 and q.dtype == p.dtype and np.array_equal(p, q), name
     assert ck.step == 3 and ck.extra == {"note": "hello"}
     assert ck.rng["data"] == data_rng.bit_generator.state
-    assert npf.generator_states(ck.model) == npf.generator_states(model)  # dropout continues
+    assert generator_states(ck.model) == generator_states(model)  # dropout continues
     for key, value in opt.state_dict().items():
         assert np.array_equal(ck.optimizer_state[key], value), key
         assert ck.optimizer_state[key].shape == value.shape, key
@@ -114,7 +115,7 @@ def test_a_file_that_is_not_safetensors_is_a_clear_error(tmp_path):
 def test_safetensors_without_the_format_tag_is_rejected(tmp_path):
     safetensors.numpy.save_file({"W": np.zeros(2)}, tmp_path / "x.safetensors")
     with pytest.raises(ValueError, match="path: expected an npformer.checkpoint file of "
-                                         "version 1, got format None"):
+                                         "version 1 or 2, got format None"):
         npf.load(tmp_path / "x.safetensors")
 
 
@@ -124,11 +125,13 @@ def test_mismatched_parameters_are_rejected(tmp_path):
     with safetensors.safe_open(str(path), framework="np") as f:
         meta = f.metadata()
     tensors["model.ln_f.gamma"] = np.ones(9, dtype=np.float32)
+    meta["sha256"] = ckpt_module.tensors_sha256(tensors)  # consistent: the shapes are checked
     safetensors.numpy.save_file(tensors, path, metadata=meta)
     with pytest.raises(ValueError, match=r"model.ln_f.gamma: expected shape \(8,\) and dtype "
                                          r"float32, got \(9,\) and float32"):
         npf.load(path)
     del tensors["model.ln_f.gamma"]
+    meta["sha256"] = ckpt_module.tensors_sha256(tensors)
     safetensors.numpy.save_file(tensors, path, metadata=meta)
     with pytest.raises(ValueError, match=r"expected the parameters of GPT, missing "
                                          r"\['ln_f.gamma'\]"):
@@ -218,3 +221,91 @@ def test_register_model_validates_its_arguments():
 def test_save_validates_the_step(tmp_path):
     with pytest.raises(ValueError, match="step: expected an integer >= 0, got -1"):
         npf.save(tiny_gpt(), tmp_path / "m.safetensors", step=-1)
+
+
+# --------------------------------------------------------------------------- damaged files
+
+
+def _meta_and_tensors(path):
+    with safetensors.safe_open(str(path), framework="np") as f:
+        return dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _saved_with_optimizer(tmp_path):
+    model = tiny_gpt()
+    opt = npf.AdamW(model.named_parameters(), lr=1e-3)
+    for _, _, g in model.named_parameters():
+        g[...] = 0.01
+    opt.step()
+    return npf.save(model, tmp_path / "m.safetensors", opt, step=1)
+
+
+def test_a_checkpoint_altered_by_one_byte_is_refused_by_its_checksum(tmp_path):
+    path = npf.save(tiny_gpt(), tmp_path / "m.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="do not match the checksum saved with them"):
+        npf.load(path)
+
+
+def test_a_non_numeric_step_in_the_metadata_is_a_named_error(tmp_path):
+    path = _saved_with_optimizer(tmp_path)
+    meta, tensors = _meta_and_tensors(path)
+    meta["step"] = "abc"
+    safetensors.numpy.save_file(tensors, path, metadata=meta)
+    with pytest.raises(ValueError, match="step: expected an integer >= 0 in the metadata, "
+                                         "got 'abc'"):
+        npf.load(path)
+
+
+def test_a_huge_config_size_is_refused_before_anything_is_allocated(tmp_path):
+    path = npf.save(tiny_gpt(), tmp_path / "m.safetensors")
+    meta, tensors = _meta_and_tensors(path)
+    config = json.loads(meta["config"])
+    config["vocab_size"] = 100_000_000_000
+    meta["config"] = json.dumps(config)
+    safetensors.numpy.save_file(tensors, path, metadata=meta)
+    with pytest.raises(ValueError, match="config.vocab_size: expected a size that matches "
+                                         "the stored tensors .*got 100000000000"):
+        npf.load(path)
+
+
+def test_non_finite_optimizer_state_is_refused_on_load(tmp_path):
+    path = _saved_with_optimizer(tmp_path)
+    meta, tensors = _meta_and_tensors(path)
+    key = next(k for k in tensors if k.startswith("optimizer.") and tensors[k].ndim)
+    tensors[key] = tensors[key].copy()
+    tensors[key].flat[0] = np.nan
+    meta["sha256"] = ckpt_module.tensors_sha256(tensors)  # consistent, but not finite
+    safetensors.numpy.save_file(tensors, path, metadata=meta)
+    with pytest.raises(ValueError, match=f"optimizer: expected finite values, got NaN or inf "
+                                         f"in '{key[len('optimizer.'):]}'; refusing to load"):
+        npf.load_checkpoint(path)
+
+
+def test_saving_into_a_missing_folder_names_the_path_the_user_gave(tmp_path):
+    target = tmp_path / "no" / "dir" / "x.safetensors"
+    with pytest.raises(FileNotFoundError, match=r"path: expected a file in an existing folder, "
+                                                r"got '.*no/dir/x.safetensors'"):
+        npf.save(tiny_gpt(), target)
+
+
+def test_loading_a_folder_says_it_is_a_folder(tmp_path):
+    with pytest.raises(ValueError, match="path: expected a checkpoint file, got the folder"):
+        npf.load(tmp_path)
+
+
+def test_temporaries_of_a_killed_save_are_removed_by_the_next_save_and_load(tmp_path):
+    path = npf.save(tiny_gpt(), tmp_path / "ckpt.safetensors")
+    stale = tmp_path / ".ckpt.safetensors.abc123.tmp"
+    stale.write_bytes(path.read_bytes()[:100])  # what kill -9 mid-write leaves
+    npf.load(path)
+    assert not stale.exists()
+    stale.write_bytes(b"half")
+    other = tmp_path / ".other.safetensors.x.tmp"  # another file's temporary is not ours
+    other.write_bytes(b"x")
+    npf.save(tiny_gpt(), path)
+    assert not stale.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.safetensors.x.tmp",
+                                                          "ckpt.safetensors"]

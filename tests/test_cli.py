@@ -248,11 +248,15 @@ def test_sample_errors_are_one_line(corpus, tmp_path, capsys):
     rc = main(["sample", str(tmp_path / "run"), "--prompt", "\u00e9"])
     one_line_error(capsys, 2, rc, "npformer sample: error: text: expected characters of the "
                                   "vocabulary")
-    for flag, value in (("--top-k", "0"), ("--top-p", "1.5"), ("--temperature", "-1"),
-                        ("--max-new-tokens", "many")):
+    for flag, value in (("--top-k", "0"), ("--top-p", "1.5"), ("--max-new-tokens", "many")):
         with pytest.raises(SystemExit) as exc:
             main(["sample", str(tmp_path / "run"), flag, value])
         one_line_error(capsys, 2, exc.value.code, f"argument {flag}: expected a positive")
+    for value in ("-1", "nan", "inf", "hot"):  # 0 is allowed: greedy, as in generate()
+        with pytest.raises(SystemExit) as exc:
+            main(["sample", str(tmp_path / "run"), "--temperature", value])
+        one_line_error(capsys, 2, exc.value.code, "argument --temperature: expected a number "
+                                                  ">= 0")
     rc = main(["sample", str(tmp_path / "nowhere")])
     one_line_error(capsys, 2, rc, "path: expected a checkpoint file")
     model = npf.GPT(npf.GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, d_model=4))
@@ -278,3 +282,70 @@ def test_an_unwritable_run_folder_is_a_one_line_error(corpus, tmp_path, capsys):
     (tmp_path / "taken").write_text("a file, not a folder")
     rc = train(corpus, tmp_path / "taken")
     one_line_error(capsys, 1, rc, "File exists")
+
+
+# --------------------------------------------------------------------------- run folders, signals
+
+
+def test_sigterm_stops_like_ctrl_c_with_a_checkpoint_and_status_143(corpus, tmp_path,
+                                                                     monkeypatch, capsys):
+    step = Trainer.train_step
+
+    def sigterm_after_step_4(self):
+        out = step(self)
+        if self.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", sigterm_after_step_4)
+    assert train(corpus, tmp_path / "run") == 143
+    err = capsys.readouterr().err
+    assert "stopped at step 4 of 8; checkpoint saved; continue with --resume (SIGTERM)" in err
+    assert npf.load_checkpoint(tmp_path / "run" / "ckpt.safetensors").step == 4
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is removed
+
+
+def test_a_second_run_on_a_busy_folder_fails_at_once_naming_the_holder(corpus, tmp_path):
+    """A real second process: the first trains; the second, fresh or --resume, is refused;
+    then the first is killed with SIGKILL and its lock does not block the next run."""
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "npformer", "train", "gpt", "--out", str(out), "--quiet"]
+    fresh = [*base, "--data", str(corpus), *TINY]
+    first = subprocess.Popen([*fresh, "--steps", "100000"], stderr=subprocess.PIPE)
+    try:
+        for _ in range(600):  # until the first run holds the folder and has a checkpoint
+            if (out / "ckpt.safetensors").exists():
+                break
+            assert first.poll() is None, first.stderr.read().decode()
+            subprocess.run(["sleep", "0.05"])
+        for second_cmd in ([*fresh, "--steps", "8", "--overwrite"], [*base, "--resume"]):
+            second = subprocess.run(second_cmd, capture_output=True, text=True, timeout=120)
+            assert second.returncode == 2, second.stderr
+            assert "is in use by a run that is still going" in second.stderr
+            assert f"pid {first.pid}" in second.stderr
+    finally:
+        first.kill()
+        first.wait()
+    killed_at = npf.load_checkpoint(out / "ckpt.safetensors").step
+    resumed = subprocess.run([*base, "--resume", "--steps", str(killed_at + 4)],
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert npf.load_checkpoint(out / "ckpt.safetensors").step == killed_at + 4
+
+
+def test_sample_with_temperature_0_is_greedy_decoding(corpus, tmp_path, capsys):
+    assert train(corpus, tmp_path / "run") == 0
+    capsys.readouterr()
+    outs = []
+    for seed in ("1", "2"):
+        assert main(["sample", str(tmp_path / "run"), "--prompt", "def ", "--temperature", "0",
+                     "--max-new-tokens", "12", "--seed", seed]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]  # no randomness left
+    ck = npf.load_checkpoint(tmp_path / "run" / "ckpt.safetensors")
+    tok = npf.data.tokenizer_from_spec(ck.extra["tokenizer"])
+    ids = npf.data.encode_ids(tok, "def ")[None, :]
+    for _ in range(12):  # argmax, one token at a time, by hand
+        nxt = ck.model.forward(ids[:, -ck.model.config.block_size:])[:, -1].argmax(-1)
+        ids = np.concatenate([ids, nxt[:, None]], axis=1)
+    assert outs[0] == tok.decode(ids[0]) + "\n"

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import npformer as npf
+from npformer.embedding import scatter_add_rows
 from npformer.gradcheck import check_module, gradcheck
+from npformer.proofs.embeddings import prove_rope_code, prove_rope_inverse
 
 TOL = 1e-7  # finite-difference bound used throughout the book
 
@@ -52,7 +54,7 @@ def test_fancy_index_add_loses_repeated_updates_but_scatter_add_rows_does_not():
     naive = np.zeros((5, 2))
     naive[ids] += g
     right = np.zeros((5, 2))
-    npf.scatter_add_rows(right, ids, g)
+    scatter_add_rows(right, ids, g)
     assert naive[1, 0] == 1.0  # the trap: two of three updates lost
     assert right[1, 0] == 3.0
 
@@ -66,7 +68,7 @@ def test_scatter_add_rows_equals_np_add_at(dtype, id_dtype):
     start = rng.standard_normal((40, 7)).astype(dtype)
     ref, got = start.copy(), start.copy()
     np.add.at(ref, rows, values)
-    npf.scatter_add_rows(got, rows, values)
+    scatter_add_rows(got, rows, values)
     assert got.dtype == np.dtype(dtype)
     rtol = 1e-5 if dtype == "float32" else 1e-12  # summation order may differ
     np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol)
@@ -78,13 +80,13 @@ def test_scatter_add_rows_is_bitwise_equal_to_np_add_at_when_sums_are_exact():
     values = rng.integers(-1000, 1000, (1000, 5)).astype(np.float64)  # exact integer sums
     ref, got = np.zeros((30, 5)), np.zeros((30, 5))
     np.add.at(ref, rows, values)
-    npf.scatter_add_rows(got, rows, values)
+    scatter_add_rows(got, rows, values)
     np.testing.assert_array_equal(got, ref)
 
 
 def test_scatter_add_rows_with_no_rows_changes_nothing():
     target = np.ones((3, 2))
-    npf.scatter_add_rows(target, np.array([], dtype=np.int64), np.zeros((0, 2)))
+    scatter_add_rows(target, np.array([], dtype=np.int64), np.zeros((0, 2)))
     np.testing.assert_array_equal(target, np.ones((3, 2)))
 
 
@@ -344,16 +346,16 @@ def test_rope_rejects_wrong_input_width_dtype_and_dout_shape():
 
 
 def test_sympy_proves_rotation_jacobian_transpose_is_the_inverse_rotation():
-    assert npf.prove_rope_inverse() is True
+    assert prove_rope_inverse() is True
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_sympy_proves_rope_code_forward_rotates_and_backward_is_jt_g(n):
-    assert npf.prove_rope_code(n) is True
+    assert prove_rope_code(n) is True
 
 
 def test_sympy_proof_rejects_a_backward_that_rotates_the_wrong_way(monkeypatch):
     monkeypatch.setattr(npf.RoPE, "backward",
                         lambda self, dout: npf.RoPE.forward(self, dout, self.cache[1]))
     with pytest.raises(AssertionError, match="residual is not zero"):
-        npf.prove_rope_code(2)
+        prove_rope_code(2)

@@ -13,6 +13,7 @@ from npformer.block import TransformerBlock
 from npformer.embedding import sinusoidal_encoding
 from npformer.gradcheck import check_module, gradcheck
 from npformer.losses import mse_loss
+from npformer.models.encoder import reconstruction_metrics
 from npformer.module import Module
 from npformer.optim import Adam
 
@@ -171,7 +172,7 @@ def test_parameter_names_are_dotted_and_the_embedding_is_named_wte():
 
 
 def test_every_parameter_receives_a_gradient_and_moves_after_one_adam_step():
-    """Catches an optimiser wired to gradients under the wrong keys (seed 000's third bug)."""
+    """Catches an optimiser wired to gradients under the wrong keys (the published code's bug 3)."""
     cfg = npf.EncoderConfig()
     model = npf.Encoder(cfg, seed=0)
     params = list(model.named_parameters())
@@ -292,7 +293,7 @@ def test_short_training_beats_the_all_zeros_baseline_by_ten_times():
     history = npf.train_reconstruction(model, steps=150, batch_size=16, lr=1e-2, seed=0)
     assert history["mse"][0] > 1000 * history["zeros"][0]  # LayerNorm outputs start at unit size
     ids = random_ids(model.config, 64, 8, seed=123)
-    metrics = npf.reconstruction_metrics(model.forward(ids), ids, model.wte.W)
+    metrics = reconstruction_metrics(model.forward(ids), ids, model.wte.W)
     assert metrics["relative"] < 0.1  # MSE / (all-zeros MSE on the same batch)
     assert metrics["cosine"] > 0.95 and metrics["nearest"] == 1.0
 
@@ -340,11 +341,11 @@ def test_train_reconstruction_stops_on_a_non_finite_loss():
 def test_metrics_of_a_perfect_and_of_an_all_zeros_prediction():
     W = np.random.default_rng(0).standard_normal((6, 4)) * 0.02
     ids = np.random.default_rng(1).integers(0, 6, (3, 5))
-    perfect = npf.reconstruction_metrics(W[ids], ids, W)
+    perfect = reconstruction_metrics(W[ids], ids, W)
     assert perfect["mse"] == 0 and perfect["relative"] == 0 and perfect["nearest"] == 1
     assert abs(perfect["cosine"] - 1) < 1e-12
-    zeros = npf.reconstruction_metrics(np.zeros((3, 5, 4)), ids, W)
+    zeros = reconstruction_metrics(np.zeros((3, 5, 4)), ids, W)
     assert zeros["relative"] == 1 and zeros["cosine"] == 0
     assert abs(zeros["zeros"] - np.mean(W[ids] ** 2)) < 1e-18
     with pytest.raises(ValueError, match=r"out: expected shape \(3, 5, 4\) .* got \(3, 5\)"):
-        npf.reconstruction_metrics(np.zeros((3, 5)), ids, W)
+        reconstruction_metrics(np.zeros((3, 5)), ids, W)

@@ -8,16 +8,16 @@ import pytest
 from scipy.special import erf
 from test_float32 import float64_locals_in_npformer  # the tracer; it is tested there
 
-from npformer.generate import (
+from npformer.gradcheck import check_module
+from npformer.models.gpt import GPT, GPTConfig
+from npformer.optim import AdamW
+from npformer.sampling import (
     generate,
     next_token_logits,
     sample_next,
     top_k_filter,
     top_p_filter,
 )
-from npformer.gradcheck import check_module
-from npformer.models.gpt import GPT, GPTConfig
-from npformer.optim import AdamW
 from npformer.softmax import cross_entropy, softmax
 
 TINY = dict(vocab_size=5, block_size=4, n_layer=2, n_head=2, d_model=4, d_ff=8)

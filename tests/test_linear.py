@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 import npformer as npf
-from npformer.gradcheck import GradcheckError, check_module, gradcheck, numerical_gradient
+from npformer.gradcheck import (
+    GradcheckError,
+    check_module,
+    gradcheck,
+    numerical_gradient,
+    relative_error,
+)
 
 TOL = 1e-7  # the acceptance bound derived in book/linear.md
 
@@ -192,10 +198,10 @@ def test_gradcheck_refuses_float32_inputs():
 
 
 def test_relative_error_is_normwise_and_zero_for_two_zero_arrays():
-    assert npf.relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
     # ||a - n|| / (||a|| + ||n||) = 1e-9 / (1 + 1): relative to the size of the whole array
-    assert npf.relative_error(np.array([1.0, 0.0]), np.array([1.0, 1e-9])) == pytest.approx(
+    assert relative_error(np.array([1.0, 0.0]), np.array([1.0, 1e-9])) == pytest.approx(
         0.5e-9, rel=1e-6
     )
     with pytest.raises(ValueError, match="shapes differ"):
-        npf.relative_error(np.zeros(2), np.zeros(3))
+        relative_error(np.zeros(2), np.zeros(3))

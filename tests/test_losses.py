@@ -58,7 +58,7 @@ def test_next_token_gradient_and_library_code_proved_in_sympy(n, ignore_index):
 
 
 def test_the_mse_proof_rejects_a_gradient_divided_by_batch_only(monkeypatch):
-    import npformer.proofs as proofs
+    import npformer.proofs.losses as proofs
 
     monkeypatch.setattr(proofs, "mse_loss_backward",
                         lambda pred, target: 2 * (pred - target) / pred.shape[0])
@@ -67,7 +67,7 @@ def test_the_mse_proof_rejects_a_gradient_divided_by_batch_only(monkeypatch):
 
 
 def test_the_masked_lm_proof_rejects_a_mean_over_all_positions(monkeypatch):
-    import npformer.proofs as proofs
+    import npformer.proofs.losses as proofs
 
     def over_all_positions(p, targets, *, ignore_index=-100, mask=None):
         n_valid = np.count_nonzero((targets != ignore_index) & mask)

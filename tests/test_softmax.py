@@ -75,7 +75,7 @@ def _sums_over_the_wrong_axis(dout, p):
 
 @pytest.mark.parametrize("wrong", [_forgets_the_sum_term, _sums_over_the_wrong_axis])
 def test_a_wrong_softmax_backward_fails_the_code_proof(wrong, monkeypatch):
-    import npformer.proofs as proofs
+    import npformer.proofs.softmax as proofs
 
     monkeypatch.setattr(proofs, "softmax_backward", wrong)
     with pytest.raises(AssertionError, match="residual is not zero"):

@@ -410,16 +410,27 @@ def test_an_edit_to_the_header_lines_counts_as_edited_by_hand(tmp_path, capsys):
     assert path.read_text(encoding="utf-8") == edited
 
 
-def test_a_hand_written_file_in_the_package_is_kept_until_force(tmp_path, capsys):
+def test_a_hand_written_file_in_the_package_is_never_touched_even_by_force(tmp_path, capsys):
+    """tangle deletes and overwrites only files it generated (they carry its header)."""
     root = tangled(tmp_path, two_chapter_book())
     mine = root / SRC / "mine.py"
     mine.write_text("def helper(): ...\n", encoding="utf-8")
-    capsys.readouterr()
-    assert run(root) != 0
-    assert "no chapter produces this file now" in capsys.readouterr().err
-    assert mine.exists()
+    assert run(root) == 0 and run(root, "--check") == 0
     assert run(root, "--force") == 0
-    assert not mine.exists()
+    assert mine.read_text(encoding="utf-8") == "def helper(): ...\n"
+
+
+def test_force_refuses_to_overwrite_a_hand_written_file_a_chapter_now_produces(tmp_path, capsys):
+    book = two_chapter_book()
+    del book["beta"]
+    root = tangled(tmp_path, book)
+    mine = root / SRC / "beta.py"
+    mine.write_text("def helper(): ...\n", encoding="utf-8")
+    write_book(root, two_chapter_book())
+    capsys.readouterr()
+    assert run(root, "--force") == 2
+    assert "not written by tangle" in capsys.readouterr().err
+    assert mine.read_text(encoding="utf-8") == "def helper(): ...\n"
 
 
 # --------------------------------------------------------------------------- errors at book lines
@@ -697,8 +708,8 @@ def test_a_second_chapter_may_add_to_a_module_it_declares(tmp_path):
     assert text.index("def f()") < text.index("def g()")
 
 
-def test_a_future_import_outside_the_first_cell_of_a_module_is_an_error(tmp_path, capsys):
-    root = write_book(
+def test_a_future_import_in_a_later_cell_is_hoisted_to_the_top_of_the_module(tmp_path):
+    root = tangled(
         tmp_path,
         {
             "alpha": chapter(
@@ -708,9 +719,39 @@ def test_a_future_import_outside_the_first_cell_of_a_module_is_an_error(tmp_path
             )
         },
     )
-    line = line_of(root, "book/alpha.md", "from __future__")
-    err = expect_error(root, capsys, f"book/alpha.md:{line}")
-    assert "from __future__ imports must occur at the beginning" in err
+    gen = (root / SRC / "alpha.py").read_text(encoding="utf-8").splitlines()
+    assert gen[3] == "from __future__ import annotations"
+    assert gen.count("from __future__ import annotations") == 1
+
+
+def test_imports_are_hoisted_merged_deduplicated_and_sorted(tmp_path):
+    root = tangled(
+        tmp_path,
+        {
+            "beta": chapter(cell("ONE = 1\n\n\nclass One: ...\n\n\ndef two(): ...",
+                                 export=True), module="beta"),
+            "alpha": chapter(
+                cell("import numpy as np\nfrom npformer.beta import two\n\n\ndef f():\n"
+                     "    return np.pi", export=True),
+                cell("import math\nimport numpy as np\nfrom collections import OrderedDict\n"
+                     "from npformer.beta import ONE, One\n\nX = math.e", export=True),
+                module="alpha",
+            ),
+        },
+    )
+    gen = (root / SRC / "alpha.py").read_text(encoding="utf-8").split("\n")
+    assert gen[3:11] == [
+        "import math",
+        "from collections import OrderedDict",
+        "",
+        "import numpy as np",
+        "",
+        "from npformer.beta import ONE, One, two",
+        "",
+        "",
+    ]
+    assert gen[11].startswith("# [book/alpha.md")
+    assert "X = math.e" in gen and sum(line.startswith(("import", "from")) for line in gen) == 4
 
 
 def test_a_future_import_in_the_first_cell_of_each_module_is_fine(tmp_path):
@@ -851,7 +892,7 @@ def test_where_maps_every_code_line_to_the_identical_book_line(tmp_path):
                 mapped += 1
         else:
             assert "boilerplate" in loc
-    assert mapped == 8
+    assert mapped == 6  # import math (hoisted), root2's two lines, half's three
 
 
 def test_where_on_the_command_line_prints_the_exact_book_line(tmp_path, capsys):
@@ -912,7 +953,7 @@ def test_where_without_a_location_is_a_usage_error(tmp_path):
 # --------------------------------------------------------------------------- __init__.py
 
 
-def test_the_package_init_reexports_public_defs_in_toc_then_cell_order(tmp_path):
+def test_the_package_init_reexports_public_defs_sorted_as_isort_sorts_them(tmp_path):
     root = tangled(
         tmp_path,
         {
@@ -929,9 +970,9 @@ def test_the_package_init_reexports_public_defs_in_toc_then_cell_order(tmp_path)
     init = (root / SRC / "__init__.py").read_text(encoding="utf-8")
     body = init.split('"""\n\n', 1)[1]
     assert body == (
-        "from npformer.alpha import zeta, Alpha\n"
-        "from npformer.extra import extra\n"
+        "from npformer.alpha import Alpha, zeta\n"
         "from npformer.beta import beta\n"
+        "from npformer.extra import extra\n"
         "\n"
         "__all__ = [\n"
         '    "Alpha",\n'
@@ -1068,3 +1109,138 @@ def test_any_small_book_tangles_deterministically_and_idempotently(book):
                 if loc is not None and not line.startswith("# ["):
                     path, _, at = loc.rpartition(":")
                     assert chapters[path][int(at) - 1] == line
+
+
+# --------------------------------------------------------------------------- malformed books
+
+
+def test_an_empty_toc_or_a_toc_that_is_a_list_deletes_nothing_and_exits_2(tmp_path, capsys):
+    root = tangled(tmp_path, two_chapter_book())
+    for text in ("", "# nothing here\n", "- file: book/alpha\n"):
+        (root / "_toc.yml").write_text(text, encoding="utf-8")
+        before = tree_state(root)
+        capsys.readouterr()
+        assert run(root) == 2
+        assert capsys.readouterr().err.startswith("_toc.yml:1: error: ")
+        assert tree_state(root) == before
+
+
+@pytest.mark.parametrize("toc, where, says", [
+    ("root: book/alpha\nparts: [\n", "_toc.yml:3", "not valid YAML"),
+    ("root: book/alpha\nparts: 5\n", "_toc.yml:1", "toc.parts: expected a list, got 5"),
+    ("root: book/alpha\nparts:\n  - chapters: [7]\n", "_toc.yml:1",
+     "toc.parts[0].chapters[0]: expected a mapping"),
+    ("root: book/alpha\nroot: book/beta\n", "_toc.yml:2", "duplicate key 'root'"),
+])
+def test_a_malformed_toc_is_a_named_error_at_its_line(tmp_path, capsys, toc, where, says):
+    root = tangled(tmp_path, two_chapter_book())
+    (root / "_toc.yml").write_text(toc, encoding="utf-8")
+    assert says in expect_error(root, capsys, where)
+
+
+def test_a_bad_byte_is_reported_at_its_file_and_line(tmp_path, capsys):
+    root = tangled(tmp_path, two_chapter_book())
+    path = root / "book" / "beta.md"
+    line = line_of(root, "book/beta.md", "return one() + one()")
+    data = path.read_bytes().replace(b"return one() + one()", b"return one() + \xff")
+    path.write_bytes(data)
+    err = expect_error(root, capsys, f"book/beta.md:{line}")
+    assert "not valid UTF-8: byte 0xff" in err
+    toc = root / "_toc.yml"
+    toc.write_bytes(toc.read_bytes().replace(b"Part I", b"Part \xff"))
+    path.write_bytes(data.replace(b"\xff", b"one()"))
+    assert "byte 0xff" in expect_error(root, capsys, "_toc.yml:4")
+
+
+def test_a_bad_byte_in_a_generated_file_is_a_hand_edit_that_force_repairs(tmp_path, capsys):
+    root = tangled(tmp_path, two_chapter_book())
+    path = root / SRC / "alpha.py"
+    good = path.read_bytes()
+    path.write_bytes(good.replace(b"return 1", b"return \xff"))
+    capsys.readouterr()
+    assert run(root) == 2
+    assert f"{SRC}/alpha.py: edited by hand" in capsys.readouterr().err
+    assert run(root, "--force") == 0 and path.read_bytes() == good
+
+
+def test_a_byte_order_mark_is_rejected_by_name_not_misread(tmp_path, capsys):
+    root = tangled(tmp_path, two_chapter_book())
+    path = root / "book" / "beta.md"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert "byte-order mark" in expect_error(root, capsys, "book/beta.md:1")
+
+
+def test_a_deleted_closing_fence_is_named_as_such(tmp_path, capsys):
+    book = two_chapter_book()
+    book["beta"] = book["beta"] + cell("x = 1")
+    root = tangled(tmp_path, book)
+    text = (root / "book" / "beta.md").read_text(encoding="utf-8")
+    first_close = text.index("\n```\n", text.index("{code-cell}"))
+    (root / "book" / "beta.md").write_text(text[:first_close] + text[first_close + 4:],
+                                           encoding="utf-8")
+    fence = text[:text.index("{code-cell}")].count("\n") + 1
+    err = expect_error(root, capsys, f"book/beta.md:{fence}")
+    assert "is not closed before the next code cell" in err
+
+
+def test_a_yaml_error_in_front_matter_is_reported_at_its_own_line(tmp_path, capsys):
+    root = tangled(tmp_path, two_chapter_book())
+    path = root / "book" / "beta.md"
+    path.write_text(path.read_text(encoding="utf-8").replace(
+        "  module: beta\n", "  module: [beta\n"), encoding="utf-8")
+    line = line_of(root, "book/beta.md", "module: [beta")
+    assert "not valid YAML" in expect_error(root, capsys, f"book/beta.md:{line}")
+
+
+def test_a_duplicate_front_matter_key_is_an_error_not_a_silent_override(tmp_path, capsys):
+    root = tangled(tmp_path, two_chapter_book())
+    path = root / "book" / "beta.md"
+    path.write_text(path.read_text(encoding="utf-8").replace(
+        "npformer:\n  module: beta\n", "npformer:\n  module: beta\nnpformer:\n  module: gamma\n"),
+        encoding="utf-8")
+    line = line_of(root, "book/beta.md", "module: gamma") - 1
+    assert "duplicate key 'npformer'" in expect_error(root, capsys, f"book/beta.md:{line}")
+
+
+@pytest.mark.parametrize("typo", ["exprot", "exports", "Export", "expor"])
+def test_a_tag_that_looks_like_export_is_an_error(tmp_path, capsys, typo):
+    root = tangled(tmp_path, two_chapter_book())
+    path = root / "book" / "beta.md"
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace(":tags: [export]", f":tags: [{typo}]", 1), encoding="utf-8")
+    line = line_of(root, "book/beta.md", f":tags: [{typo}]")
+    err = expect_error(root, capsys, f"book/beta.md:{line}")
+    assert f"unknown tag {typo!r}: did you mean 'export'?" in err
+
+
+def test_other_jupyter_book_tags_are_accepted(tmp_path):
+    book = two_chapter_book()
+    book["beta"] += cell("print(1)").replace("```{code-cell} ipython3\n",
+                                             "```{code-cell} ipython3\n:tags: [hide-input, "
+                                             "remove-output, raises-exception]\n\n")
+    tangled(tmp_path, book)
+
+
+def test_a_chapter_leaving_the_toc_and_a_vanishing_name_are_reported(tmp_path, capsys):
+    book = two_chapter_book()
+    root = tangled(tmp_path, book)
+    toc = (root / "_toc.yml").read_text(encoding="utf-8")
+    (root / "_toc.yml").write_text(toc.replace("      - file: book/beta\n", ""), "utf-8")
+    capsys.readouterr()
+    assert run(root, "--check") == 1
+    err = capsys.readouterr().err
+    assert "warning: book/beta.md has exported cells but is not in _toc.yml" in err
+    assert f"warning: {SRC}/beta.py will be deleted" in err
+    assert f"warning: {SRC}/__init__.py: public name 'two' is no longer produced" in err
+
+
+def test_a_run_that_would_delete_most_of_the_package_is_refused(tmp_path, capsys):
+    book = {n: chapter(prose(f"# {n}"), cell(f"def f_{n}(): ...", export=True), module=n)
+            for n in ("alpha", "beta", "gamma", "delta", "eps")}
+    root = tangled(tmp_path, book)
+    write_book(root, {"alpha": book["alpha"], "beta": book["beta"]})  # 3 of 5 modules go
+    before = tree_state(root)
+    capsys.readouterr()
+    assert run(root) == 2
+    assert "would delete 3 of the" in capsys.readouterr().err
+    assert tree_state(root) == before

@@ -23,7 +23,15 @@ from npformer.data import (
     tokenizer_spec,
     train_val_split,
 )
-from npformer.train import IGNORE, NonFiniteError, TrainConfig, Trainer, mask_tokens, train_step
+from npformer.models.bert import bert_mask_tokens
+from npformer.optim import train_step
+from npformer.train import (
+    IGNORE,
+    NonFiniteError,
+    TrainConfig,
+    Trainer,
+    next_token_objective,
+)
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 
@@ -203,7 +211,8 @@ def test_window_longer_than_the_data_is_rejected():
 
 def test_masking_follows_bert_80_10_10_on_the_chosen_positions():
     ids = np.random.default_rng(0).integers(0, 50, size=(200, 500))
-    inputs, targets = mask_tokens(ids, np.random.default_rng(1), mask_id=50, mask_prob=0.15)
+    # the one masker (the BERT chapter's), with [MASK] = 50 as the one special id
+    inputs, targets = bert_mask_tokens(ids, np.random.default_rng(1), 51, 50, [50], p=0.15)
     chosen = targets != IGNORE
     assert np.array_equal(targets[chosen], ids[chosen])  # targets are the original tokens
     assert np.array_equal(inputs[~chosen], ids[~chosen])  # others are untouched
@@ -218,7 +227,8 @@ def test_masking_follows_bert_80_10_10_on_the_chosen_positions():
 def test_masking_always_chooses_at_least_one_position():
     ids = np.zeros((1, 3), dtype=np.int32)
     for seed in range(20):
-        _, targets = mask_tokens(ids, np.random.default_rng(seed), mask_id=5, mask_prob=0.0)
+        # p must lie in (0, 1); at 1e-12 no position is chosen by chance, so one is forced
+        _, targets = bert_mask_tokens(ids, np.random.default_rng(seed), 6, 5, [5], p=1e-12)
         assert (targets != IGNORE).sum() == 1
 
 
@@ -405,7 +415,8 @@ def test_gradient_clipping_bounds_the_step_and_reports_the_raw_norm(data):
     opt = npf.SGD(model.named_parameters(), lr=1.0)
     cfg = TrainConfig(grad_clip=1e-3)
     before = params_of(model)
-    _, norm = train_step(model, opt, ids, rng, cfg, lr=1.0)
+    _, norm = train_step(model, opt, lambda m, b: next_token_objective(m, b, rng), ids,
+                         lr=1.0, max_norm=cfg.grad_clip)
     moved = np.sqrt(sum(np.sum((p - before[n]) ** 2) for n, p, _ in model.named_parameters()))
     assert norm > 1e-3
     assert moved == pytest.approx(1e-3, rel=1e-3)  # SGD moves by lr * the clipped gradient
@@ -432,3 +443,23 @@ def test_the_encoder_learns_to_reconstruct_its_input_embeddings(data):
     before = trainer.evaluate()
     trainer.fit()
     assert trainer.evaluate() < 0.1 * before  # the final LayerNorm's gain shrinks first
+
+
+def test_an_overflowing_update_is_named_and_its_warnings_do_not_leak(data, tmp_path):
+    """lr = 1e38 overflows AdamW's float32 update in step 0; step 1's loss is NaN. The
+    error names the update that broke (step 0), not just the step that noticed."""
+    import warnings
+
+    tok, train_ids, val_ids = data
+    cfg = TrainConfig(steps=12, batch_size=4, block_size=16, warmup_steps=0, lr=1e38,
+                      min_lr=0.0, eval_interval=4, eval_batches=2, log_interval=2)
+    model = npf.GPT(npf.GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1,
+                                  n_head=2, d_model=16), seed=0)  # float32
+    trainer = Trainer(model, train_ids, val_ids, cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning would fail the test
+        with pytest.raises(NonFiniteError, match=r"the loss is nan at step 1 because the "
+                                                 r"update of step 0 made parameter '.*' "
+                                                 r"non-finite"):
+            trainer.fit(checkpoint_path=tmp_path / "c.safetensors")
+    assert trainer.step == 1 and not (tmp_path / "c.safetensors").exists()

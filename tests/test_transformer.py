@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import json
 import re
 
 import numpy as np
 import pytest
+from test_bad_inputs import BAD  # the sweep's bad values
 from test_float32 import float64_locals_in_npformer  # the tracer; it is tested there
 
 import npformer as npf
@@ -104,7 +106,7 @@ def test_config_fills_d_ff_and_final_norm_and_round_trips_through_json():
     ("block_size", 2.5, r"block_size: expected a positive integer, got 2.5"),
     ("d_ff", 0, r"d_ff: expected a positive integer, got 0"),
     ("dropout", 1.0, r"dropout: expected a probability in \[0, 1\), got 1.0"),
-    ("label_smoothing", 1.5, r"label_smoothing: expected a number in \[0, 1\], got 1.5"),
+    ("label_smoothing", 1.5, r"label_smoothing: expected a probability in \[0, 1\], got 1.5"),
     ("norm_first", "yes", r"norm_first: expected True or False, got 'yes'"),
     ("share_embeddings", True, r"share_embeddings: expected src_vocab_size == tgt_vocab_size"),
     ("eps", 0, r"eps: expected a positive finite number, got 0"),
@@ -181,9 +183,10 @@ def test_a_single_memory_position_sends_no_gradient_through_the_queries():
 
 
 @pytest.mark.parametrize("mask, match", [
-    (np.ones((2, 4)), r"memory_mask: expected an array of shape \(2, 5\) \(B, S\), got \(2, 4\)"),
-    (np.full((2, 5), 2), r"memory_mask: expected 0/False \(padding\) and 1/True"),
-    ([[1] * 5] * 2, r"memory_mask: expected an array of shape \(2, 5\) \(B, S\), got list"),
+    (np.ones((2, 4)), r"memory_mask: expected shape \(2, 5\) \(\(B, S\) of the memory\), "
+                      r"got \(2, 4\)"),
+    (np.full((2, 5), 2), r"memory_mask: expected booleans or 0/1 values, got 2"),
+    (np.full((2, 5), "x"), r"memory_mask: expected a boolean or 0/1 array, got dtype <U1"),
 ])
 def test_cross_attention_validates_its_mask(mask, match):
     cross = CrossAttention(8, 2, seed=1)
@@ -329,7 +332,7 @@ def test_backward_checks_dlogits_and_needs_a_forward_pass():
     (lambda m: m.forward(np.zeros((2, 4), int), np.zeros((1, 3), int)),
      r"tgt_ids: expected a batch of 2 \(that of src_ids\), got 1"),
     (lambda m: m.forward(np.zeros((2, 4), int), np.zeros((2, 3), int), np.ones((2, 5))),
-     r"src_mask: expected an array of shape \(2, 4\)"),
+     r"src_mask: expected shape \(2, 4\) \(src_ids'\), got \(2, 5\)"),
 ])
 def test_invalid_inputs_are_rejected_naming_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
@@ -607,7 +610,8 @@ def test_smoothed_loss_float32_stays_float32_and_validates():
     logits = np.zeros((1, 2, 3), np.float32)
     loss, d = smoothed_cross_entropy(logits, np.zeros((1, 2), int))
     assert isinstance(loss, float) and d.dtype == np.float32
-    with pytest.raises(ValueError, match=r"smoothing: expected a number in \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError,
+                       match=r"smoothing: expected a probability in \[0, 1\], got 1.5"):
         smoothed_cross_entropy(logits, np.zeros((1, 2), int), smoothing=1.5)
     with pytest.raises(ValueError, match=r"targets: expected at least one target"):
         smoothed_cross_entropy(logits, np.zeros((1, 2), int), ignore_index=0)
@@ -635,10 +639,9 @@ def test_warmup_inverse_sqrt_validates(kw, match):
 
 
 def test_public_names_are_exported_from_the_package():
-    for name in ("Transformer", "TransformerConfig", "CrossAttention", "DecoderBlock",
-                 "DecoderCache", "greedy_decode", "beam_search", "smoothed_cross_entropy",
-                 "warmup_inverse_sqrt"):
-        assert hasattr(npf, name), name
+    for name in ("Transformer", "TransformerConfig", "CrossAttention", "greedy_decode",
+                 "beam_search", "smoothed_cross_entropy", "warmup_inverse_sqrt"):
+        assert name in npf.__all__ and hasattr(npf, name), name
 
 
 # --------------------------------------------------------------------- the command line
@@ -716,3 +719,28 @@ def test_translate_refuses_a_run_of_another_model_and_unknown_characters(tmp_pat
     assert _cli("translate", gpt, "23 November 2026") == 2
     assert "run: expected a run of 'npformer train transformer', got gpt" in \
         capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- a sweep of bad values
+
+SWEPT = {
+    "TransformerConfig": (TransformerConfig, dict(TINY)),
+    "CrossAttention": (CrossAttention, {"d_model": 8, "n_head": 2}),
+}
+
+
+@pytest.mark.parametrize("name, arg, i", [
+    (name, arg, i) for name, (fn, _) in SWEPT.items()
+    for arg in inspect.signature(fn).parameters for i in range(len(BAD))])
+def test_a_bad_argument_is_accepted_or_named(name, arg, i):
+    """test_bad_inputs.py's sweep, over this chapter's public layer and config."""
+    fn, base = SWEPT[name]
+    names = tuple(inspect.signature(fn).parameters)
+    try:
+        fn(**{**base, arg: BAD[i]})
+    except ValueError as exc:
+        if BAD[i] == 10**12 and "array is too big" in str(exc):
+            return
+        assert str(exc).startswith(names), f"{name}({arg}={BAD[i]!r}): {exc}"
+    except MemoryError:
+        assert BAD[i] == 10**12

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 import npformer as npf
-from npformer.models.bert import pydoc_mlm_data, train_mlm
+from npformer.models.bert import pydoc_mlm_data
+from npformer.recipes import train_mlm
 from npformer.tokenizer import WordPiece
 
 DATA = Path(__file__).resolve().parent

