@@ -38,6 +38,10 @@ CALLABLES = {
     "EncoderConfig": (npf.EncoderConfig, {"vocab_size": 11, "block_size": 8, "n_layer": 1,
                                           "n_head": 2, "d_model": 8, "d_ff": 16}),
     "TrainConfig": (TrainConfig, {}),
+    "TransformerConfig": (npf.TransformerConfig, {"src_vocab_size": 11, "tgt_vocab_size": 7,
+                                                  "block_size": 8, "n_layer": 1, "n_head": 2,
+                                                  "d_model": 8}),
+    "CrossAttention": (npf.CrossAttention, {"d_model": 8, "n_head": 2}),
 }
 
 CASES = [(name, arg, i) for name, (fn, _) in CALLABLES.items()

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import inspect
 import json
 import re
 
 import numpy as np
 import pytest
-from test_bad_inputs import BAD  # the sweep's bad values
 from test_float32 import float64_locals_in_npformer  # the tracer; it is tested there
 
 import npformer as npf
@@ -720,27 +718,3 @@ def test_translate_refuses_a_run_of_another_model_and_unknown_characters(tmp_pat
     assert "run: expected a run of 'npformer train transformer', got gpt" in \
         capsys.readouterr().err
 
-
-# --------------------------------------------------------------------- a sweep of bad values
-
-SWEPT = {
-    "TransformerConfig": (TransformerConfig, dict(TINY)),
-    "CrossAttention": (CrossAttention, {"d_model": 8, "n_head": 2}),
-}
-
-
-@pytest.mark.parametrize("name, arg, i", [
-    (name, arg, i) for name, (fn, _) in SWEPT.items()
-    for arg in inspect.signature(fn).parameters for i in range(len(BAD))])
-def test_a_bad_argument_is_accepted_or_named(name, arg, i):
-    """test_bad_inputs.py's sweep, over this chapter's public layer and config."""
-    fn, base = SWEPT[name]
-    names = tuple(inspect.signature(fn).parameters)
-    try:
-        fn(**{**base, arg: BAD[i]})
-    except ValueError as exc:
-        if BAD[i] == 10**12 and "array is too big" in str(exc):
-            return
-        assert str(exc).startswith(names), f"{name}({arg}={BAD[i]!r}): {exc}"
-    except MemoryError:
-        assert BAD[i] == 10**12
