@@ -54,3 +54,26 @@ def pytest_runtest_makereport(item, call):
         if lines:
             report.sections.append(("book location (edit the book, then tangle)",
                                     "\n".join(lines)))
+
+
+@pytest.fixture
+def signal_after_step(monkeypatch):
+    """``signal_after_step(signum, k)``: Trainer.train_step sends this process ``signum``
+    right after step ``k``, as a user's Ctrl-C or ``kill`` would; returns an undo."""
+    import os
+
+    from npformer.train import Trainer
+
+    step = Trainer.train_step
+
+    def arm(signum: int, k: int):
+        def train_step_then_signal(self):
+            out = step(self)
+            if self.step == k:
+                os.kill(os.getpid(), signum)  # the handler asks the loop to stop
+            return out
+
+        monkeypatch.setattr(Trainer, "train_step", train_step_then_signal)
+        return lambda: monkeypatch.setattr(Trainer, "train_step", step)
+
+    return arm

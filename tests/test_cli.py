@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import pytest
 
 import npformer as npf
 from npformer.cli import main
-from npformer.train import Trainer
 
 TEXT = ("def add(a, b):\n    return a + b\n\n# the quick brown fox jumps over the lazy dog\n"
         * 30)
@@ -71,22 +69,14 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(corpus, tmp_path, capsys)
     assert out.startswith("step 4, val loss ")
 
 
-def test_an_interrupted_run_resumes_bit_exactly(corpus, tmp_path, monkeypatch, capsys):
+def test_an_interrupted_run_resumes_bit_exactly(corpus, tmp_path, signal_after_step, capsys):
     """8 steps in one go == Ctrl-C after step 4, then --resume: every parameter bit."""
     assert train(corpus, tmp_path / "a") == 0
-    step = Trainer.train_step
-
-    def ctrl_c_after_step_4(self):
-        out = step(self)
-        if self.step == 4:
-            os.kill(os.getpid(), signal.SIGINT)  # the handler asks the loop to stop
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", ctrl_c_after_step_4)
+    disarm = signal_after_step(signal.SIGINT, 4)
     assert train(corpus, tmp_path / "b") == 130
     assert "stopped at step 4 of 8; checkpoint saved" in capsys.readouterr().err
     assert npf.load_checkpoint(tmp_path / "b" / "ckpt.safetensors").step == 4
-    monkeypatch.setattr(Trainer, "train_step", step)
+    disarm()
     rc = main(["train", "gpt", "--out", str(tmp_path / "b"), "--resume", "--quiet"])
     assert rc == 0, capsys.readouterr().err
     a, b = params(tmp_path / "a"), params(tmp_path / "b")
@@ -288,16 +278,9 @@ def test_an_unwritable_run_folder_is_a_one_line_error(corpus, tmp_path, capsys):
 
 
 def test_sigterm_stops_like_ctrl_c_with_a_checkpoint_and_status_143(corpus, tmp_path,
-                                                                     monkeypatch, capsys):
-    step = Trainer.train_step
-
-    def sigterm_after_step_4(self):
-        out = step(self)
-        if self.step == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", sigterm_after_step_4)
+                                                                     signal_after_step,
+                                                                     capsys):
+    signal_after_step(signal.SIGTERM, 4)
     assert train(corpus, tmp_path / "run") == 143
     err = capsys.readouterr().err
     assert "stopped at step 4 of 8; checkpoint saved; continue with --resume (SIGTERM)" in err

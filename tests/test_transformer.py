@@ -655,26 +655,15 @@ def _cli(*argv):
     return main([str(a) for a in argv])
 
 
-def test_cli_trains_resumes_bit_exactly_and_translates(tmp_path, capsys, monkeypatch):
+def test_cli_trains_resumes_bit_exactly_and_translates(tmp_path, capsys, signal_after_step):
     """8 steps in one go == Ctrl-C after step 4, then --resume; then translate."""
-    import os
     import signal
-
-    from npformer.train import Trainer
 
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert _cli("train", "transformer", "--out", straight, "--steps", 8, *TASK_ARGS) == 0
-    step = Trainer.train_step
-
-    def ctrl_c_after_step_4(self):
-        out = step(self)
-        if self.step == 4:
-            os.kill(os.getpid(), signal.SIGINT)  # the handler asks the loop to stop
-        return out
-
-    monkeypatch.setattr(Trainer, "train_step", ctrl_c_after_step_4)
+    disarm = signal_after_step(signal.SIGINT, 4)
     assert _cli("train", "transformer", "--out", split, "--steps", 8, *TASK_ARGS) == 130
-    monkeypatch.setattr(Trainer, "train_step", step)
+    disarm()
     assert _cli("train", "transformer", "--out", split, "--resume", "--quiet") == 0
     a, b = (npf.load_checkpoint(d / "ckpt.safetensors") for d in (straight, split))
     assert a.step == b.step == 8 and type(a.model) is Transformer
