@@ -10,8 +10,11 @@ BLAS spends its time waiting for cores.)
 Character-level model on pydoc_data.topics (90% train, 10% validation): 4 layers,
 4 heads, d_model 128, block 64, batch 12, dropout 0; AdamW betas (0.9, 0.99),
 weight decay 0.1, gradient clipping at 1.0; learning rate 1e-3 with 100 warmup steps
-and a cosine decay to 1e-4. At the end, two seeded samples of 300 characters are
-generated and logged. Everything is seeded: the same command gives the same log
+and a cosine decay to 1e-4. The log holds every step's training loss, learning rate
+and gradient norm (before clipping), the losses on fixed batches every 100 steps, a
+seeded sample of 160 characters at several steps (the same prompt, settings and seed
+each time, so only the model changes), and two samples of 300 characters at the end.
+Everything is seeded: the same command gives the same log
 up to the floating-point nondeterminism of multithreaded BLAS.
 """
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -38,6 +42,8 @@ from npformer.tokenizer import CharTokenizer
 BATCH, BLOCK, PEAK_LR, MIN_LR, WARMUP = 12, 64, 1e-3, 1e-4, 100
 SAMPLE_PROMPT = 'The "for" statement'
 SAMPLE_SETTINGS = [{"temperature": 0.8, "top_k": 20}, {"temperature": 0.7, "top_p": 0.9}]
+PROGRESS_STEPS = (0, 100, 200, 500, 1000, 2000)  # a sample after these many steps
+PROGRESS_SETTINGS = {"temperature": 0.8, "top_k": 20}
 
 
 def pydoc_corpus() -> str:
@@ -79,11 +85,13 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
     eval_rng = np.random.default_rng(2)  # fixed evaluation batches
     fixed = {"train": [get_batch(train_data, eval_rng) for _ in range(eval_batches)],
              "val": [get_batch(val_data, eval_rng) for _ in range(eval_batches)]}
-    evals = []
+    evals, lrs, progress = [], [], []
+    prompt = np.array([tok.encode(SAMPLE_PROMPT)])  # (1, T)
 
     def update(step: int) -> tuple[float, float]:
         lr = warmup_cosine(step, peak_lr=PEAK_LR, warmup_steps=min(WARMUP, steps),
                            total_steps=steps, min_lr=MIN_LR)
+        lrs.append(lr)
         return train_step(model, opt, next_char_objective, get_batch(train_data, rng), lr=lr,
                           max_norm=1.0)
 
@@ -92,14 +100,17 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
             evals.append({"step": r["step"], **r["val"]})
             log(f"step {r['step']:5d}  train {r['val']['train']:.4f}  "
                 f"val {r['val']['val']:.4f}  {time.perf_counter() - t0:7.1f} s")
+        if r["step"] in PROGRESS_STEPS or r["step"] == steps:  # generate() has its own seed
+            out = generate(model, prompt, 160, seed=0, **PROGRESS_SETTINGS)
+            progress.append({"step": r["step"], "text": tok.decode(out[0, prompt.shape[1]:])})
 
     t0 = time.perf_counter()
     records = train_loop(update, steps=steps, eval_every=eval_every, evaluate_first=True,
                          evaluate=lambda: {k: estimate_loss(model, b) for k, b in fixed.items()},
                          on_step=on_eval)
     train_loss = [r["loss"] for r in records if r["loss"] is not None]
+    grad_norm = [r["grad_norm"] for r in records if r["grad_norm"] is not None]
     wall = time.perf_counter() - t0
-    prompt = np.array([tok.encode(SAMPLE_PROMPT)])  # (1, T)
     samples = [{"settings": kw, "text": tok.decode(generate(model, prompt, 300, seed=0, **kw)[0])}
                for kw in SAMPLE_SETTINGS]
     return {
@@ -112,7 +123,11 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
                   "peak_lr": PEAK_LR, "min_lr": MIN_LR, "warmup": WARMUP,
                   "batch": BATCH, "block": BLOCK, "steps": steps},
         "samples": samples,
+        "progress": {"prompt": SAMPLE_PROMPT, "settings": PROGRESS_SETTINGS, "seed": 0,
+                     "samples": progress},
         "train_loss": train_loss,
+        "lr": lrs,
+        "grad_norm": grad_norm,
         "evals": evals,
         "wall_time_s": wall,
         "seconds_per_step": wall / max(steps, 1),
@@ -123,6 +138,13 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
     }
 
 
+def _dumps(obj) -> str:
+    """JSON with every list of numbers on one line."""
+    return re.sub(r"\[\s+([-0-9.,e\s]+?)\s+\]",
+                  lambda m: "[" + " ".join(m.group(1).split()) + "]",
+                  json.dumps(obj, indent=1)) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
@@ -130,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     result = train(args.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(_dumps(result))
     print(f"wrote {args.out}: {args.steps} steps in {result['wall_time_s']:.0f} s")
 
 
