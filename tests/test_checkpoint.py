@@ -133,7 +133,7 @@ def test_mismatched_parameters_are_rejected(tmp_path):
     del tensors["model.ln_f.gamma"]
     meta["sha256"] = ckpt_module.tensors_sha256(tensors)
     safetensors.numpy.save_file(tensors, path, metadata=meta)
-    with pytest.raises(ValueError, match=r"expected the parameters of GPT, missing "
+    with pytest.raises(ValueError, match=r"expected the parameters of GPT, got missing "
                                          r"\['ln_f.gamma'\]"):
         npf.load(path)
 

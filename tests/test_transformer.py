@@ -683,7 +683,7 @@ def test_cli_trains_resumes_bit_exactly_and_translates(tmp_path, capsys, signal_
     (["train", "transformer"], "--task: expected 'train transformer --task dates'"),
     (["train", "gpt", "--task", "dates"], "--task: expected"),
     (["train", "transformer", "--task", "dates", "--block-size", "16"],
-     "--block-size: fixed by --task dates"),
+     "--block-size: expected nothing (fixed by --task dates)"),
 ])
 def test_cli_task_errors_are_one_line(argv, message, tmp_path, capsys):
     assert _cli(*argv, "--out", tmp_path / "run", "--quiet") == 2
