@@ -4,6 +4,7 @@ Run from the repository root, after ``python tangle.py``:
 
     python book/data/bert_runs.py vocab        # book/data/bert_vocab.txt, about 40 s
     python book/data/bert_runs.py train        # book/data/bert_mlm_full.json, the full run
+                                               # (its log, and its guesses for masked words)
     python book/data/bert_runs.py similarity   # book/data/bert_similarity.json (oracle extra)
 
 ``train`` uses the chapter's data (``pydoc_mlm_data``) and loop (``train_mlm``) with the
@@ -40,6 +41,20 @@ SENTENCES = [
     "The new movie is awesome.",
     "The film was really good.",
 ]
+# Sentences written for the book (not taken from the pages), and the words to mask in each:
+# the trained model's top guesses for them are logged with the full run.
+MASKED = [
+    ("The return statement leaves the current function call with the expression list.",
+     ("return", "function", "expression")),
+    ("A for loop iterates over the items of a list in the order that they appear.",
+     ("for", "items", "order")),
+    ("If the condition is true, the first suite is executed; otherwise the else clause "
+     "is executed.", ("condition", "suite", "else")),
+    ("The import statement loads a module and binds its name in the local namespace.",
+     ("import", "module", "namespace")),
+    ("An exception is raised when an error is detected during execution.",
+     ("exception", "raised", "error")),
+]
 
 
 def _dumps(obj) -> str:
@@ -69,6 +84,51 @@ def vocab(args) -> None:
           f"(Python {platform.python_version()}) -> {DATA / 'bert_vocab.txt'}")
 
 
+def predictions(bert: npf.BERT, tok: WordPiece, top: int = 5) -> list[dict]:
+    """The model's top guesses, with probabilities, for the masked words of MASKED."""
+    bert.eval()
+    out = []
+    for sentence, hide in MASKED:
+        row = np.array([tok.encode(sentence)])  # (1, T)
+        words = [tok.vocab[i] for i in row[0]]
+        where = [words.index(w) for w in hide]  # each hidden word is one piece
+        masked = row.copy()
+        masked[0, where] = tok.mask_id
+        positions = np.zeros_like(row, dtype=bool)
+        positions[0, where] = True
+        logits = bert.forward_mlm(masked, positions).astype(np.float64)  # (N, V)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        best = np.argsort(-p, axis=-1)[:, :top]
+        out.append({"sentence": sentence,
+                    "masked": [{"word": w, "guesses": [[tok.vocab[int(i)], round(float(q), 4)]
+                                                       for i, q in zip(b, p[k, b])]}
+                               for k, (w, b) in enumerate(zip(hide, best))]})
+    return out
+
+
+def heldout_predictions(bert: npf.BERT, tok: WordPiece, rows: np.ndarray, n_rows: int = 2,
+                        fraction: float = 0.15, top: int = 3) -> list[dict]:
+    """Top guesses at a seeded 15% of the word pieces of the first held-out rows, each
+    replaced by [MASK]: the pieces, the masked positions and the guesses at each."""
+    bert.eval()
+    rng = np.random.default_rng(0)
+    special = {tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id}
+    out = []
+    for row in rows[:n_rows]:
+        ok = np.array([int(i) not in special for i in row])
+        where = np.flatnonzero(ok & (rng.random(len(row)) < fraction))
+        masked = row.copy()[None]
+        masked[0, where] = tok.mask_id
+        positions = np.zeros_like(masked, dtype=bool)
+        positions[0, where] = True
+        best = np.argsort(-bert.forward_mlm(masked, positions), axis=-1)[:, :top]  # (N, top)
+        out.append({"pieces": [tok.vocab[int(i)] for i in row],
+                    "masked": [int(i) for i in where],
+                    "guesses": [[tok.vocab[int(i)] for i in b] for b in best]})
+    return out
+
+
 def train(args) -> None:
     tok = WordPiece(DATA / "bert_vocab.txt")
     special = [tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id]
@@ -88,7 +148,8 @@ def train(args) -> None:
            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                       f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
                       f"Python {platform.python_version()}, NumPy {np.__version__}",
-           "log": _compact(log)}
+           "log": _compact(log), "predictions": predictions(bert, tok),
+           "heldout_predictions": heldout_predictions(bert, tok, val_rows)}
     (DATA / "bert_mlm_full.json").write_text(_dumps(out))
     print(f"{args.steps} steps in {seconds:.0f} s; held-out loss {log['val_loss'][-1]:.3f}, "
           f"accuracy {log['val_acc'][-1]:.3f}")
