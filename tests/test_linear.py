@@ -184,7 +184,7 @@ def test_check_module_catches_a_forgotten_bias_reduction_axis():
             self.db -= dout.reshape(-1, self.d_out).sum(0) / 2  # half the bias gradient
             return dx
 
-    with pytest.raises(GradcheckError, match=r"Buggy: gradient check failed .*b: "):
+    with pytest.raises(GradcheckError, match=r"(?s)Buggy: gradient check failed .*\n  b: "):
         check_module(Buggy(3, 2, dtype="float64"), rng().standard_normal((2, 3, 3)))
 
 
@@ -203,5 +203,5 @@ def test_relative_error_is_normwise_and_zero_for_two_zero_arrays():
     assert relative_error(np.array([1.0, 0.0]), np.array([1.0, 1e-9])) == pytest.approx(
         0.5e-9, rel=1e-6
     )
-    with pytest.raises(ValueError, match="shapes differ"):
+    with pytest.raises(ValueError, match=r"n: expected the shape of a, \(2,\), got \(3,\)"):
         relative_error(np.zeros(2), np.zeros(3))
