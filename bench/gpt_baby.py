@@ -13,7 +13,8 @@ weight decay 0.1, gradient clipping at 1.0; learning rate 1e-3 with 100 warmup s
 and a cosine decay to 1e-4. The log holds every step's training loss, learning rate
 and gradient norm (before clipping), the losses on fixed batches every 100 steps, a
 seeded sample of 160 characters at several steps (the same prompt, settings and seed
-each time, so only the model changes), and two samples of 300 characters at the end.
+each time, so only the model changes), two samples of 300 characters at the end, and
+the trained model's attention weights, every layer and head, on 24 held-out characters.
 Everything is seeded: the same command gives the same log
 up to the floating-point nondeterminism of multithreaded BLAS.
 """
@@ -44,6 +45,7 @@ SAMPLE_PROMPT = 'The "for" statement'
 SAMPLE_SETTINGS = [{"temperature": 0.8, "top_k": 20}, {"temperature": 0.7, "top_p": 0.9}]
 PROGRESS_STEPS = (0, 100, 200, 500, 1000, 2000)  # a sample after these many steps
 PROGRESS_SETTINGS = {"temperature": 0.8, "top_k": 20}
+ATTENTION_WINDOW = 24  # characters of held-out text whose attention weights are logged
 
 
 def pydoc_corpus() -> str:
@@ -111,6 +113,12 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
     train_loss = [r["loss"] for r in records if r["loss"] is not None]
     grad_norm = [r["grad_norm"] for r in records if r["grad_norm"] is not None]
     wall = time.perf_counter() - t0
+    window = val_data[:ATTENTION_WINDOW]  # held-out text: every head's attention on it
+    model.eval()
+    model.forward(window[None, :])
+    model.train()
+    attention = {"text": tok.decode(window),
+                 "weights": [np.round(block.attn.cache.p[0], 4).tolist() for block in model.h]}
     samples = [{"settings": kw, "text": tok.decode(generate(model, prompt, 300, seed=0, **kw)[0])}
                for kw in SAMPLE_SETTINGS]
     return {
@@ -125,6 +133,7 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
         "samples": samples,
         "progress": {"prompt": SAMPLE_PROMPT, "settings": PROGRESS_SETTINGS, "seed": 0,
                      "samples": progress},
+        "attention": attention,
         "train_loss": train_loss,
         "lr": lrs,
         "grad_norm": grad_norm,

@@ -46,6 +46,9 @@ def label_exported_cells(app, doctree) -> None:
         para += nodes.Text("\u2192 ")
         para += nodes.literal(text=target)
         node.parent.insert(node.parent.index(node), para)
+        # In the PDF the label stays on the page of the code it names.
+        node.parent.insert(node.parent.index(node),
+                           nodes.raw("", r"\nopagebreak[4]", format="latex"))
 
 
 def setup(app):
