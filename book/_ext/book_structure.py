@@ -15,6 +15,9 @@ The Bibliography page's entries are gathered by Sphinx's LaTeX writer at the end
 of the PDF under their own heading, so its (then empty) chapter is dropped from
 the PDF.
 
+In the PDF a figure that a cell prints stays where the cell prints it (the
+``figure_align: H`` of ``_config.yml``), but a Graphviz diagram may float.
+
 It also gives the kernels that execute the chapters CurveZMQ keys when pyzmq
 supports them, so they do not run over unencrypted TCP (which ipykernel warns
 about once per chapter).
@@ -86,8 +89,32 @@ def _encrypt_kernels() -> None:
         trait.default_value = "auto"
 
 
+def float_diagrams(app) -> None:
+    """In the PDF, a cell's figure stays where the cell prints it (``figure_align: H``);
+    a Graphviz diagram, which no cell prints, may float to the top of a page instead of
+    leaving a gap where it does not fit."""
+    if app.builder.format != "latex":
+        return
+    from sphinx.ext.graphviz import graphviz
+
+    base = app.registry.get_translator_class(app.builder) or app.builder.default_translator_class
+
+    class Translator(base):
+        def visit_figure(self, node):
+            align = self.elements["figure_align"]
+            if next(iter(node.findall(graphviz)), None) is not None:
+                self.elements["figure_align"] = "htbp"
+            try:
+                super().visit_figure(node)
+            finally:
+                self.elements["figure_align"] = align
+
+    app.set_translator(app.builder.name, Translator, override=True)
+
+
 def setup(app):
     _encrypt_kernels()
+    app.connect("builder-inited", float_diagrams)
     app.connect("doctree-read", add_part_markers)
     app.connect("doctree-resolved", drop_empty_bibliography_chapter)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
