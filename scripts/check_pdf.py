@@ -7,6 +7,8 @@
    foot of a page can lose lines in LaTeX's page breaking; this finds them.
 3. At most MAX_RAISE printed lines start with ``raise``: validation is written with the
    shared check_* vocabulary, so the listings show the maths.
+4. No exported cell's label ("→ npformer/....py") is left at the foot of a page, away
+   from the code it names.
 
 Usage: python scripts/check_pdf.py [_build/latex/transformers-by-hand.pdf]
 Needs pdftotext (poppler-utils) and jupytext.
@@ -61,6 +63,11 @@ def main(argv: list[str]) -> int:
         start = text.rfind("\n", 0, text.rfind("\n", 0, m.start())) + 1
         failures.append(f"p. {page_of(m.start())}: a wrapped line: "
                         f"{squeeze(text[start:m.start()])[:80]!r}")
+    for number, page in enumerate(text.split("\f"), start=1):
+        lines = [line.strip() for line in page.splitlines() if line.strip()]
+        # The last two lines of a page are its footer; a label just above them is alone.
+        if any(line.startswith("→ npformer/") for line in lines[-3:]):
+            failures.append(f"p. {number}: a module label is the last line of the page")
     flat = squeeze(text)
     raises = 0
     for path in chapters():

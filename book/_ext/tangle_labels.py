@@ -45,10 +45,11 @@ def label_exported_cells(app, doctree) -> None:
         para = nodes.paragraph(classes=["tangle-target"])
         para += nodes.Text("\u2192 ")
         para += nodes.literal(text=target)
-        node.parent.insert(node.parent.index(node), para)
-        # In the PDF the label stays on the page of the code it names.
+        # In the PDF the label stays on the page of the code it names: it starts a new
+        # page unless a few lines of the listing fit below it.
         node.parent.insert(node.parent.index(node),
-                           nodes.raw("", r"\nopagebreak[4]", format="latex"))
+                           nodes.raw("", r"\needspace{6\baselineskip}", format="latex"))
+        node.parent.insert(node.parent.index(node), para)
 
 
 def setup(app):
