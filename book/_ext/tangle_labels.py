@@ -48,7 +48,7 @@ def label_exported_cells(app, doctree) -> None:
         # In the PDF the label stays on the page of the code it names: it starts a new
         # page unless a few lines of the listing fit below it.
         node.parent.insert(node.parent.index(node),
-                           nodes.raw("", r"\needspace{6\baselineskip}", format="latex"))
+                           nodes.raw("", r"\Needspace{6\baselineskip}", format="latex"))
         node.parent.insert(node.parent.index(node), para)
 
 
