@@ -4,14 +4,16 @@
 1. No printed code or output line wraps: LaTeX marks the continuation of a wrapped
    verbatim line with a hook arrow, which pdftotext turns into "˓→".
 2. Every line of every printed code cell is in the PDF. A code block that meets the
-   foot of a page can lose lines in LaTeX's page breaking; this finds them.
+   foot of a page can lose lines in LaTeX's page breaking; this finds them. A cell
+   folded in the HTML (tagged hide-input or hide-cell) is not printed: the PDF has a
+   one-line note in its place (book/_ext/tangle_labels.py), one per folded cell.
 3. At most MAX_RAISE printed lines start with ``raise``: validation is written with the
    shared check_* vocabulary, so the listings show the maths.
 4. No exported cell's label ("→ npformer/....py") is left at the foot of a page, away
    from the code it names.
 
-Usage: python scripts/check_pdf.py [_build/latex/transformers-by-hand.pdf]
-Needs pdftotext (poppler-utils) and jupytext.
+Usage: python scripts/check_pdf.py [_build/latex/transformers-by-hand.pdf [chapter.md ...]]
+(the chapters default to those of _toc.yml). Needs pdftotext (poppler-utils) and jupytext.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ MAX_RAISE = 40
 WRAP_MARK = "˓→"
 # pdftotext's typographic forms of what the code wrote in ASCII.
 TYPOGRAPHIC = str.maketrans({"’": "'", "‘": "'", "“": '"', "”": '"', "−": "-"})
+# Tags that fold a cell's input in the HTML, and the words of the PDF's note in its place.
+FOLDED = {"hide-input", "hide-cell"}
+FOLDED_NOTE = "folded in print"
 
 
 def squeeze(text: str) -> str:
@@ -43,14 +48,18 @@ def chapters() -> list[Path]:
     return [ROOT / f"{f}.md" for f in files]
 
 
-def printed_code_lines(path: Path) -> list[str]:
-    """The lines of the code cells that the book prints (not removed or input-removed)."""
-    lines = []
+def code_cells(path: Path) -> tuple[list[str], int]:
+    """The lines of the code cells that the PDF prints, and the number it folds."""
+    lines, folded = [], 0
     for cell in jupytext.read(path).cells:
-        tags = cell.metadata.get("tags", [])
-        if cell.cell_type == "code" and not {"remove-input", "remove-cell"} & set(tags):
+        tags = set(cell.metadata.get("tags", []))
+        if cell.cell_type != "code" or {"remove-input", "remove-cell"} & tags:
+            continue
+        if FOLDED & tags:
+            folded += bool(cell.source.strip())
+        else:
             lines += cell.source.splitlines()
-    return lines
+    return lines, folded
 
 
 def main(argv: list[str]) -> int:
@@ -66,23 +75,32 @@ def main(argv: list[str]) -> int:
     for number, page in enumerate(text.split("\f"), start=1):
         lines = [line.strip() for line in page.splitlines() if line.strip()]
         # The last two lines of a page are its footer; a label just above them is alone.
-        if any(line.startswith("→ npformer/") for line in lines[-3:]):
+        # (A folded listing's label is a line complete in itself.)
+        if any(line.startswith("→ npformer/") and FOLDED_NOTE not in line
+               for line in lines[-3:]):
             failures.append(f"p. {number}: a module label is the last line of the page")
     flat = squeeze(text)
-    raises = 0
-    for path in chapters():
-        for line in printed_code_lines(path):
+    raises = folded = 0
+    for path in [Path(p).resolve() for p in argv[1:]] or chapters():
+        lines, n_folded = code_cells(path)
+        folded += n_folded
+        for line in lines:
             raises += bool(re.match(r"\s*raise\b", line))
             want = squeeze(line)
             if len(want) >= 20 and want.isascii() and want not in flat:
-                failures.append(f"{path.relative_to(ROOT)}: a printed code line is missing "
+                failures.append(f"{path.name}: a printed code line is missing "
                                 f"from the PDF: {want[:80]!r}")
     if raises > MAX_RAISE:
         failures.append(f"{raises} printed lines start with raise (at most {MAX_RAISE})")
+    notes = flat.count(FOLDED_NOTE)
+    if notes != folded:
+        failures.append(f"the chapters fold {folded} cells but the PDF has {notes} notes "
+                        f"'... {FOLDED_NOTE} ...' in their place: a folded listing is printed "
+                        f"(or a note is missing)")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     print(f"{pdf.name}: {text.count(chr(12))} pages, {raises} printed raise lines, "
-          f"{len(failures)} problems")
+          f"{folded} folded listings, {len(failures)} problems")
     return 1 if failures else 0
 
 
