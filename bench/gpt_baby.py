@@ -1,8 +1,10 @@
 """Train the book's "baby" GPT on the Python documentation and log the losses as JSON.
 
-The full run quoted in book/gpt.md (the chapter trains the same model for fewer steps):
+The full run whose log and trained model book/gpt.md loads (the chapter trains the same
+model for a few hundred steps):
 
-    OPENBLAS_NUM_THREADS=1 python bench/gpt_baby.py --steps 2000 --out book/data/gpt_baby.json
+    OPENBLAS_NUM_THREADS=1 python bench/gpt_baby.py --steps 6000 \
+        --out book/data/gpt_baby.json --save book/data/gpt_baby.safetensors
 
 (One BLAS thread: these matrices are small, and on a shared machine a multithreaded
 BLAS spends its time waiting for cores.)
@@ -15,7 +17,9 @@ and gradient norm (before clipping), the losses on fixed batches every 100 steps
 seeded sample of 160 characters at several steps (the same prompt, settings and seed
 each time, so only the model changes), two samples of 300 characters at the end, and
 the trained model's attention weights, every layer and head, on 24 held-out characters.
-Everything is seeded: the same command gives the same log
+With --save, the trained model is also written with npf.save (weights only, float32,
+about 3.3 MB; the tokenizer's characters are in the checkpoint's ``extra`` field), so that
+``npf.load(path)`` gives the model back. Everything is seeded: the same command gives the same log
 up to the floating-point nondeterminism of multithreaded BLAS.
 """
 
@@ -43,7 +47,7 @@ from npformer.tokenizer import CharTokenizer
 BATCH, BLOCK, PEAK_LR, MIN_LR, WARMUP = 12, 64, 1e-3, 1e-4, 100
 SAMPLE_PROMPT = 'The "for" statement'
 SAMPLE_SETTINGS = [{"temperature": 0.8, "top_k": 20}, {"temperature": 0.7, "top_p": 0.9}]
-PROGRESS_STEPS = (0, 100, 200, 500, 1000, 2000)  # a sample after these many steps
+PROGRESS_STEPS = (0, 100, 200, 500, 1000, 2000, 4000, 6000)  # a sample after these many steps
 PROGRESS_SETTINGS = {"temperature": 0.8, "top_k": 20}
 ATTENTION_WINDOW = 24  # characters of held-out text whose attention weights are logged
 
@@ -73,29 +77,58 @@ def estimate_loss(model: GPT, batches) -> float:
     return float(np.mean(losses))
 
 
-def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) -> dict:
+def split_data() -> tuple[CharTokenizer, np.ndarray, np.ndarray]:
+    """The tokenizer and the token ids of the first 90% (training) and the rest."""
     text = pydoc_corpus()
     tok = CharTokenizer(text)
     data = np.array(tok.encode(text), dtype=np.int64)
     n = int(0.9 * len(data))
-    train_data, val_data = data[:n], data[n:]
-    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=BLOCK, n_layer=4, n_head=4,
+    return tok, data[:n], data[n:]
+
+
+def fixed_batches(train_data: np.ndarray, val_data: np.ndarray, eval_batches: int = 20):
+    """The evaluation batches of every logged evaluation, from their own generator."""
+    eval_rng = np.random.default_rng(2)
+    return {"train": [get_batch(train_data, eval_rng) for _ in range(eval_batches)],
+            "val": [get_batch(val_data, eval_rng) for _ in range(eval_batches)]}
+
+
+def new_run(steps: int, vocab_size: int, train_data: np.ndarray, lrs: list | None = None):
+    """The model, its optimiser and the update of step ``step`` of a run of ``steps``."""
+    cfg = GPTConfig(vocab_size=vocab_size, block_size=BLOCK, n_layer=4, n_head=4,
                     d_model=128, dropout=0.0)
     model = GPT(cfg, seed=0)
     opt = AdamW(model.named_parameters(), lr=PEAK_LR, betas=(0.9, 0.99), weight_decay=0.1)
     rng = np.random.default_rng(1)  # training batches
-    eval_rng = np.random.default_rng(2)  # fixed evaluation batches
-    fixed = {"train": [get_batch(train_data, eval_rng) for _ in range(eval_batches)],
-             "val": [get_batch(val_data, eval_rng) for _ in range(eval_batches)]}
-    evals, lrs, progress = [], [], []
-    prompt = np.array([tok.encode(SAMPLE_PROMPT)])  # (1, T)
 
     def update(step: int) -> tuple[float, float]:
         lr = warmup_cosine(step, peak_lr=PEAK_LR, warmup_steps=min(WARMUP, steps),
                            total_steps=steps, min_lr=MIN_LR)
-        lrs.append(lr)
+        if lrs is not None:
+            lrs.append(lr)
         return train_step(model, opt, next_char_objective, get_batch(train_data, rng), lr=lr,
                           max_norm=1.0)
+
+    return model, cfg, update
+
+
+def first_losses(k: int, steps: int) -> list[float]:
+    """The training losses of the first k steps of a run of ``steps`` (what the tests
+    compare with the committed log)."""
+    tok, train_data, _ = split_data()
+    _, _, update = new_run(steps, tok.vocab_size, train_data)
+    return [float(update(step)[0]) for step in range(k)]
+
+
+def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print,
+          save: Path | None = None) -> dict:
+    tok, train_data, val_data = split_data()
+    text = pydoc_corpus()
+    n = len(train_data)
+    evals, lrs, progress = [], [], []
+    model, cfg, update = new_run(steps, tok.vocab_size, train_data, lrs)
+    fixed = fixed_batches(train_data, val_data, eval_batches)
+    prompt = np.array([tok.encode(SAMPLE_PROMPT)])  # (1, T)
 
     def on_eval(r: dict) -> None:
         if r["val"] is not None:
@@ -119,14 +152,19 @@ def train(steps: int, eval_every: int = 100, eval_batches: int = 20, log=print) 
     model.train()
     attention = {"text": tok.decode(window),
                  "weights": [np.round(block.attn.cache.p[0], 4).tolist() for block in model.h]}
+    if save is not None:
+        npformer.save(model, save, step=steps,
+                      extra={"chars": "".join(tok.chars), "corpus": "pydoc_data.topics",
+                             "log": "gpt_baby.json"})
     samples = [{"settings": kw, "text": tok.decode(generate(model, prompt, 300, seed=0, **kw)[0])}
                for kw in SAMPLE_SETTINGS]
     return {
-        "command": f"python bench/gpt_baby.py --steps {steps}",
+        "command": f"python bench/gpt_baby.py --steps {steps}"
+                   + (f" --save {save}" if save is not None else ""),
         "config": asdict(cfg),
         "n_params": int(sum(p.size for _, p, _ in model.named_parameters())),
         "corpus": {"name": "pydoc_data.topics", "chars": len(text), "vocab": tok.vocab_size,
-                   "train_tokens": int(n), "val_tokens": int(len(data) - n)},
+                   "train_tokens": int(n), "val_tokens": len(val_data)},
         "optim": {"name": "AdamW", "betas": [0.9, 0.99], "weight_decay": 0.1, "clip": 1.0,
                   "peak_lr": PEAK_LR, "min_lr": MIN_LR, "warmup": WARMUP,
                   "batch": BATCH, "block": BLOCK, "steps": steps},
@@ -156,10 +194,12 @@ def _dumps(obj) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--out", type=Path, default=Path("book/data/gpt_baby.json"))
+    ap.add_argument("--save", type=Path, default=None,
+                    help="also write the trained model here with npf.save")
     args = ap.parse_args()
-    result = train(args.steps)
+    result = train(args.steps, save=args.save)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(_dumps(result))
     print(f"wrote {args.out}: {args.steps} steps in {result['wall_time_s']:.0f} s")
