@@ -4,12 +4,21 @@ Jupyter Book turns each part of ``_toc.yml`` into a toctree with a caption. The
 HTML sidebar shows those captions, but Sphinx's LaTeX builder drops them when it
 inlines the toctrees into one document. This extension puts them back:
 
-- the first, unnumbered part (the Preface) is front matter: its chapter carries
-  no number, exactly as in the HTML;
-- every numbered part starts with ``\\part{...}`` ("Part I", "Part II", ...),
-  and its chapters are numbered on from the previous part, as in the HTML;
-- a later unnumbered part ("Appendices") is an unnumbered ``\\part`` whose
-  chapters are unnumbered, as in the HTML.
+- the first, unnumbered part (the Preface, the overview, the Notation page) is front
+  matter: its chapters carry no number, exactly as in the HTML;
+- a Part is written in ``_toc.yml`` as two parts: an unnumbered part whose caption
+  names it ("Part I: the building blocks") and holds only its opener page, then a
+  numbered part without a caption that holds its chapters. The pair becomes one
+  ``\\part{...}`` ("Part I", "Part II", ...) whose first, unnumbered chapter is the
+  opener; the chapters after it are numbered on from the previous Part, as in the HTML
+  (sphinx-multitoc-numbering skips the unnumbered parts). A numbered part with a caption
+  (a Part without an opener) starts its ``\\part`` itself;
+- a later unnumbered part whose caption names no Part ("Appendices") is an unnumbered
+  ``\\part`` whose chapters are unnumbered, as in the HTML.
+
+Sphinx numbers the figures and tables of every unnumbered page (front matter, Part
+openers, appendices) with one counter, 1, 2, 3, ..., in the order of the pages; the PDF
+prints the same numbers.
 
 The Bibliography page's entries are gathered by Sphinx's LaTeX writer at the end
 of the PDF under their own heading, so its (then empty) chapter is dropped from
@@ -34,23 +43,34 @@ PART_RE = re.compile(r"^Part\s+([IVXLC]+)\s*[:.]\s*(.+)$")
 SECNUMDEPTH = 2  # chapter.section.subsection, the depth the HTML numbers
 
 
+_ARABIC = (r"\ifdefined\npfthefigure\else\let\npfthefigure\thefigure"
+           r"\let\npfthetable\thetable\fi"
+           r"\renewcommand{\thefigure}{\arabic{figure}}\renewcommand{\thetable}{\arabic{table}}")
+_RESTORE = r"\ifdefined\npfthefigure\let\thefigure\npfthefigure\let\thetable\npfthetable\fi"
+
+
+def _part_title(caption: str) -> str:
+    match = PART_RE.match(caption)
+    title = match.group(2) if match else caption
+    return title[:1].upper() + title[1:]
+
+
 def _part_latex(caption: str | None, numbered: bool, first: bool) -> str:
-    if not numbered:
-        # Front matter or appendices: nothing in these parts carries a number.
-        lines = [r"\setcounter{secnumdepth}{-2}"]
-        if first:
-            # The HTML numbers the Preface's figures 1, 2, ...; so does the PDF.
-            lines.append(r"\let\npfthefigure\thefigure\renewcommand{\thefigure}{\arabic{figure}}")
-        if caption and not first:
-            lines.append(r"\part{%s}" % caption)
-        return "\n".join(lines) + "\n"
-    title = caption or ""
-    match = PART_RE.match(title)
-    if match:
-        title = match.group(2)
-    title = title[:1].upper() + title[1:]
-    restore = r"\ifdefined\npfthefigure\let\thefigure\npfthefigure\fi"
-    return "\\setcounter{secnumdepth}{%d}%s\n\\part{%s}\n" % (SECNUMDEPTH, restore, title)
+    if numbered:
+        latex = r"\setcounter{secnumdepth}{%d}%s" % (SECNUMDEPTH, _RESTORE)
+        if caption:  # a Part without an opener page starts here
+            latex += "\n\\part{%s}" % _part_title(caption)
+        # Without a caption, the chapters continue the Part their opener began.
+        return latex + "\n"
+    if caption and PART_RE.match(caption):
+        # A Part's opener: a numbered \part, then the opener as an unnumbered chapter.
+        return "\\setcounter{secnumdepth}{%d}\\part{%s}\n\\setcounter{secnumdepth}{-1}%s\n" % (
+            SECNUMDEPTH, _part_title(caption), _ARABIC)
+    # Front matter or appendices: nothing in these parts carries a number.
+    latex = r"\setcounter{secnumdepth}{-2}" + _ARABIC
+    if caption and not first:
+        latex += "\n\\part{%s}" % caption
+    return latex + "\n"
 
 
 def add_part_markers(app, doctree) -> None:
@@ -62,6 +82,22 @@ def add_part_markers(app, doctree) -> None:
         latex = _part_latex(toctree.get("caption"), bool(toctree.get("numbered")), i == 0)
         raw = nodes.raw("", latex, format="latex")
         toctree.parent.insert(toctree.parent.index(toctree), raw)
+
+
+def number_unnumbered_figures(app, doctree, docname) -> None:
+    """LaTeX only: a page outside the numbered parts starts its figure and table
+    counters where the HTML's numbers for it start (one sequence over all such pages)."""
+    if app.builder.format != "latex" or docname != app.config.root_doc:
+        return
+    for sof in list(doctree.findall(addnodes.start_of_file)):
+        numbers = app.env.toc_fignumbers.get(sof.get("docname", ""), {})
+        latex = ""
+        for figtype, counter in (("figure", "figure"), ("table", "table")):
+            firsts = [n for n in numbers.get(figtype, {}).values() if len(n) == 1]
+            if firsts:
+                latex += r"\setcounter{%s}{%d}" % (counter, min(firsts)[0] - 1)
+        if latex:
+            sof.insert(0, nodes.raw("", latex + "\n", format="latex"))
 
 
 def drop_empty_bibliography_chapter(app, doctree, docname) -> None:
@@ -117,4 +153,5 @@ def setup(app):
     app.connect("builder-inited", float_diagrams)
     app.connect("doctree-read", add_part_markers)
     app.connect("doctree-resolved", drop_empty_bibliography_chapter)
+    app.connect("doctree-resolved", number_unnumbered_figures)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
