@@ -188,7 +188,7 @@ def test_every_parameter_receives_a_gradient_and_moves_after_one_adam_step():
 
 
 def test_the_moved_check_catches_an_update_keyed_by_mismatched_names():
-    """Seed-style dictionaries: params 'L0_...', grads 'layer0_...'; only ln_f matches."""
+    """Keys as in the published code: params 'L0_...', grads 'layer0_...'; only ln_f matches."""
     model = npf.Encoder(npf.EncoderConfig(**TINY))
     ids = random_ids(model.config, 2, 4)
     _, dout = mse_loss(model.forward(ids), model.target(ids))
