@@ -106,7 +106,7 @@ def render(chromium: str, page: Path, width: int) -> str:
         cmd = [
             chromium, "--headless", "--no-sandbox", "--disable-gpu",
             "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic", "--hide-scrollbars",
+            "--disable-sync", "--no-first-run", "--disable-quic",
             f"--user-data-dir={tmp}/profile", "--virtual-time-budget=20000",
             f"--window-size={width},1000", "--dump-dom", copy.as_uri(),
         ]
