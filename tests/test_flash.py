@@ -278,3 +278,68 @@ def test_gpt_config_rejects_an_unknown_kernel():
     with pytest.raises(ValueError, match="attention_kernel: expected one of"):
         npf.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, d_model=8,
                       attention_kernel="sparse")
+
+
+def test_shared_key_value_heads_broadcast_and_sum_their_gradients():
+    """Grouped-query layout: q (B, h_kv, g, T, d), k and v (B, h_kv, 1, T, d)."""
+    rng = np.random.default_rng(6)
+    q, dout = rng.standard_normal((2, 3, 4, 21, 5)), rng.standard_normal((2, 3, 4, 21, 5))
+    k, v = rng.standard_normal((2, 3, 1, 21, 5)), rng.standard_normal((2, 3, 1, 21, 5))
+    kr, vr = np.repeat(k, 4, axis=2), np.repeat(v, 4, axis=2)  # each K/V head repeated g times
+    out, cache = scaled_dot_product_attention(q, kr, vr, reference_mask(21, 21, True, 6))
+    dq, dkr, dvr = attention_backward(dout, cache)
+    out_f, cache_f = npf.flash_attention(q, k, v, causal=True, window=6, block_size=4)
+    dq_f, dk_f, dv_f = npf.flash_attention_backward(dout, cache_f)
+    assert dk_f.shape == k.shape and dv_f.shape == v.shape
+    assert np.abs(out_f - out).max() < EXACT and np.abs(dq_f - dq).max() < EXACT
+    assert np.abs(dk_f - dkr.sum(axis=2, keepdims=True)).max() < EXACT
+    assert np.abs(dv_f - dvr.sum(axis=2, keepdims=True)).max() < EXACT
+    k1, v1 = k[0, 0, 0], v[0, 0, 0]  # (21, 5): no leading axes, shared by every head
+    out1, cache1 = npf.flash_attention(q, k1, v1, causal=True, block_size=8)
+    dk1 = npf.flash_attention_backward(dout, cache1)[1]
+    ref, ref_cache = scaled_dot_product_attention(q, np.broadcast_to(k1, q.shape),
+                                                  np.broadcast_to(v1, q.shape),
+                                                  reference_mask(21, 21, True, None))
+    assert dk1.shape == k1.shape and np.abs(out1 - ref).max() < EXACT
+    assert np.abs(dk1 - attention_backward(dout, ref_cache)[1].sum(axis=(0, 1, 2))).max() < 1e-11
+
+
+def test_grouped_query_attention_flag_gives_the_same_gradients():
+    from npformer.embedding import RoPE
+    from npformer.models.llama import GroupedQueryAttention
+
+    rng = np.random.default_rng(7)
+    x, g = rng.standard_normal((2, 90, 16)), rng.standard_normal((2, 90, 16))
+    grads = {}
+    for kernel in ("standard", "flash"):
+        layer = GroupedQueryAttention(16, 4, 2, rope=RoPE(4, 128, dtype="float64"), seed=1,
+                                      dtype="float64", kernel=kernel)
+        layer.zero_grad()
+        grads[kernel] = [layer(x), layer.backward(g)] + [
+            grad.copy() for _, _, grad in layer.named_parameters()]
+    for a, b in zip(grads["standard"], grads["flash"]):
+        assert np.abs(a - b).max() < 1e-11
+
+
+def test_llama_trained_with_the_flag_matches_the_standard_losses():
+    rng = np.random.default_rng(8)
+    starts = rng.integers(0, 19, (5, 2, 1))
+    batches = (starts + np.arange(81)) % 19  # (5, 2, 81): T = 80 > the block size 64
+
+    def losses(kernel):
+        cfg = npf.LlamaConfig(vocab_size=19, block_size=80, n_layer=2, n_head=4, n_kv_head=2,
+                              d_model=16, dtype="float64", attention_kernel=kernel)
+        model = npf.Llama(cfg, seed=0)
+        opt = npf.AdamW(model.named_parameters(), lr=1e-2)
+        out = []
+        for ids in batches:
+            model.zero_grad()
+            loss, dlogits = next_token_loss(model.forward(ids[:, :-1]), ids[:, 1:])
+            model.backward(dlogits)
+            opt.step()
+            out.append(float(loss))
+        return np.array(out)
+
+    standard, flash = losses("standard"), losses("flash")
+    assert standard[-1] < standard[0]
+    np.testing.assert_allclose(flash, standard, rtol=1e-10, atol=0)
