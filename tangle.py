@@ -92,6 +92,9 @@ class Chapter:
     modules: list[str]
     cells: list[Cell] = field(default_factory=list)
     module_line: int = 1  # 1-based line of 'module:' in the front matter
+    # A preview chapter (``preview: true``) shows the finished library at work before the
+    # chapters that build it: it may use any chapter's names, and it exports nothing.
+    preview: bool = False
 
 
 def _yaml():
@@ -248,7 +251,14 @@ def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
     for m in ([module] if module else []) + list(modules):
         if not isinstance(m, str) or not MODULE_RE.match(m):
             raise TangleError(f"{rel}:1", f"invalid module name {m!r} in front matter")
-    chapter = Chapter(rel, index, module, list(modules))
+    preview = conf.get("preview", False)
+    if not isinstance(preview, bool):
+        raise TangleError(f"{rel}:1", f"'preview' in front matter must be true or false, "
+                                      f"got {preview!r}")
+    if preview and (module or modules):
+        raise TangleError(f"{rel}:1", "a preview chapter exports nothing: drop 'module' and "
+                                      "'modules' from its front matter")
+    chapter = Chapter(rel, index, module, list(modules), preview=preview)
     conf_at = next((n for n in range(1, i) if lines[n].startswith(f"{PACKAGE}:")), None)
     if conf_at is not None:  # the npformer: block runs until the next unindented line
         end = next((n for n in range(conf_at + 1, i) if not lines[n][:1].isspace()), i)
@@ -323,6 +333,9 @@ def assign_targets(chapter: Chapter) -> None:
                 where = cell.where_option("module")
                 raise TangleError(where, "cell names a ':module:' but is not tagged 'export'")
             continue
+        if chapter.preview:
+            raise TangleError(cell.where_option("tags"), "a preview chapter exports nothing: "
+                              "move this cell to the chapter that builds it")
         if target is None:
             if chapter.module is None:
                 raise TangleError(
@@ -542,6 +555,8 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
 
 
 def _check_order(d: Definition, ch: Chapter, ci: int, where: str, what: str) -> None:
+    if ch.preview:  # it reads the finished library; the name exists, which is all it needs
+        return
     if d.chapter_index > ch.index:
         raise TangleError(
             where,

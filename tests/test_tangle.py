@@ -632,6 +632,54 @@ def test_using_a_later_chapters_name_is_reported_at_the_use(tmp_path, capsys, us
     assert f"{what} is used before the chapter that defines it (book/later.md:" in err
 
 
+PREVIEW_FRONT = FRONT_MATTER.format(npformer="npformer:\n  preview: true\n")
+
+
+@pytest.mark.parametrize("use", sorted(LATER_USES))
+def test_a_preview_chapter_may_use_any_chapters_names(tmp_path, use):
+    code, _ = LATER_USES[use]
+    root = tangled(
+        tmp_path,
+        {
+            "index": chapter(prose("# Book")),
+            "preview": PREVIEW_FRONT + "\n" + prose("# At work") + cell("import numpy\n\n" + code),
+            "later": chapter(prose("# Later"), cell("def thing(): ...", export=True),
+                             module="later"),
+        },
+    )
+    assert "def thing" in (root / SRC / "later.py").read_text(encoding="utf-8")
+
+
+def test_a_preview_chapter_still_needs_the_names_to_exist(tmp_path, capsys):
+    root = write_book(
+        tmp_path,
+        {
+            "index": chapter(prose("# Book")),
+            "preview": PREVIEW_FRONT + "\n" + prose("# At work")
+            + cell("from npformer.later import missing"),
+            "later": chapter(prose("# Later"), cell("def thing(): ...", export=True),
+                             module="later"),
+        },
+    )
+    line = line_of(root, "book/preview.md", "import missing")
+    err = expect_error(root, capsys, f"book/preview.md:{line}")
+    assert "defines no name 'missing'" in err
+
+
+def test_a_preview_chapter_exports_nothing(tmp_path, capsys):
+    root = write_book(
+        tmp_path,
+        {
+            "index": chapter(prose("# Book")),
+            "preview": PREVIEW_FRONT + "\n" + prose("# At work")
+            + cell("def thing(): ...", export=True),
+        },
+    )
+    line = line_of(root, "book/preview.md", ":tags: [export]")
+    err = expect_error(root, capsys, f"book/preview.md:{line}")
+    assert "a preview chapter exports nothing" in err
+
+
 def test_using_a_name_from_a_later_cell_of_the_same_chapter_is_reported(tmp_path, capsys):
     root = write_book(
         tmp_path,
