@@ -14,6 +14,7 @@ import npformer
 from npformer.models.bert import BERT, BERTConfig
 from npformer.models.encoder import Encoder, EncoderConfig
 from npformer.models.gpt import GPT, GPTConfig
+from npformer.models.llama import Llama, LlamaConfig
 from npformer.models.transformer import Transformer, TransformerConfig
 
 PACKAGE = Path(npformer.__file__).resolve().parent
@@ -28,6 +29,9 @@ MODELS = {
     "Transformer": lambda: Transformer(TransformerConfig(
         src_vocab_size=13, tgt_vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8,
         d_ff=16, dropout=0.0, dtype="float64"), seed=0),
+    "Llama": lambda: Llama(LlamaConfig(vocab_size=13, block_size=6, n_layer=2, n_head=2,
+                                       n_kv_head=1, d_model=8, d_ff=16, n_expert=4,
+                                       dtype="float64"), seed=0),
 }
 IDS = np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
 INPUTS = {"Transformer": (IDS, IDS[:, :4])}  # an encoder-decoder reads a source and a target
