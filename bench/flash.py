@@ -13,6 +13,7 @@ Every part runs causal attention, forward and backward, on float32 arrays of sha
   paths interleaved in one process (standard, flash, standard, flash, ...) after a
   warm-up, the median of the repeats; T = 256 ... 4096, h = 4;
 - block: the tiled path's time and peak memory against its block size at T = 2048;
+  with --threads N other than 2, the timed parts are stored under "<part>_N_thread(s)";
 - window: the tiled path's time with a sliding window of 256 keys and with the causal
   mask alone, and the number of tiles each visits, T = 512 ... 8192.
 
@@ -165,7 +166,8 @@ def part_time(lengths, h=4, repeats=None, threads=2) -> dict:
     return res
 
 
-def part_block(T=2048, sizes=(16, 32, 64, 128, 256, 512), h=2, repeats=5) -> dict:
+def part_block(T=2048, sizes=(16, 32, 64, 128, 256, 512), h=2, repeats=5,
+               threads=2) -> dict:
     q, k, v, dout = inputs(h, T)
     mask = np.tril(np.ones((T, T), dtype=bool))
     fns = {"standard": lambda: standard_step(q, k, v, dout, mask)}
@@ -174,13 +176,13 @@ def part_block(T=2048, sizes=(16, 32, 64, 128, 256, 512), h=2, repeats=5) -> dic
     got = interleaved(fns, repeats)
     res = dict(T=T, h=h, block_size=list(sizes), flash_s=[got[b][0] for b in sizes],
                flash_MiB=[peak_mib(fns[b]) for b in sizes], standard_s=got["standard"][0],
-               standard_MiB=peak_mib(fns["standard"]), repeats=repeats)
+               standard_MiB=peak_mib(fns["standard"]), repeats=repeats, threads=threads)
     print(f"block sizes at T={T}: {dict(zip(sizes, res['flash_s']))}", flush=True)
     return res
 
 
-def part_window(lengths, causal_max=4096, h=2, b=64, repeats=3) -> dict:
-    res = dict(T=[], window=WINDOW, block_size=b, h=h, window_s=[], causal_s=[],
+def part_window(lengths, causal_max=4096, h=2, b=64, repeats=3, threads=2) -> dict:
+    res = dict(T=[], window=WINDOW, block_size=b, h=h, threads=threads, window_s=[], causal_s=[],
                tiles_window=[], tiles_causal=[], window_MiB=[])
     for T in lengths:
         q, k, v, dout = inputs(h, T)
@@ -218,10 +220,12 @@ def main(argv=None) -> None:
     else:
         plan = dict(memory=lambda: part_memory([512, 1024, 2048, 4096, 8192]),
                     time=lambda: part_time([256, 512, 1024, 2048, 4096], threads=args.threads),
-                    block=lambda: part_block(),
-                    window=lambda: part_window([512, 1024, 2048, 4096, 8192]))
+                    block=lambda: part_block(threads=args.threads),
+                    window=lambda: part_window([512, 1024, 2048, 4096, 8192],
+                                               threads=args.threads))
     for part in args.parts:
-        key = part if part != "time" or args.threads == 2 else f"time_{args.threads}_threads"
+        timed = part != "memory" and args.threads != 2  # the default key holds 2 threads
+        key = f"{part}_{args.threads}_thread{'s' * (args.threads > 1)}" if timed else part
         results[key] = plan[part]()
         results[key]["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
             timespec="seconds")
