@@ -174,6 +174,19 @@ def test_alpha_beta_fit_recovers_the_constants_and_the_ring_model():
         fit_alpha_beta([1.0], [2.0])
 
 
+def test_ring_fit_returns_per_message_constants_that_reproduce_the_times():
+    """Whole all-reduce times on R ranks are 2 (R - 1) messages: the fit divides them out."""
+    from npformer.distributed import fit_ring_allreduce
+
+    n = np.array([1e2, 1e4, 1e6, 1e7])
+    for ranks in (2, 4):
+        t = np.array([ring_allreduce_seconds(x, ranks, 5e-6, 1e-9) for x in n])
+        alpha, beta = fit_ring_allreduce(n, t, ranks)
+        assert alpha == pytest.approx(5e-6, rel=1e-9) and beta == pytest.approx(1e-9, rel=1e-9)
+    with pytest.raises(ValueError, match="ranks: expected at least 2"):
+        fit_ring_allreduce(n, t, 1)
+
+
 # --------------------------------------------------------------------------- two processes
 
 
