@@ -7,7 +7,8 @@ needs the mpi extra (pip install -e '.[mpi]'). It measures, one thing at a time:
 1. one process: the baby GPT's training step (4 layers, d_model 128, 4 heads, windows of
    64, global batch 12, float32), with one BLAS thread;
 2. under ``mpiexec -n 2`` (launched by this script): the time of an Allreduce of float32
-   arrays from 64 bytes to 16 MB, for a fit of t = alpha + beta n; and the same baby GPT
+   arrays from 16 bytes to 16 MB, for the per-message alpha and beta of the ring model
+   (fit_ring_allreduce: a whole all-reduce is 2 (R - 1) messages); and the same baby GPT
    step on two ranks, plain data parallelism and ZeRO-1, with the time spent inside MPI
    calls counted separately;
 3. the optimiser's memory per rank, plain and ZeRO-1, measured with tracemalloc while the
@@ -38,7 +39,7 @@ from npformer.distributed import (
     FlatBuffers,
     SingleProcess,
     ZeroAdamW,
-    fit_alpha_beta,
+    fit_ring_allreduce,
     world,
 )
 from npformer.models.gpt import GPT, GPTConfig
@@ -210,8 +211,8 @@ def main() -> int:
         subprocess.run([mpiexec, "-n", str(args.ranks), sys.executable, __file__,
                         "--steps", str(args.steps), "--worker", str(part)], check=True)
         multi = json.loads(part.read_text())
-    alpha, beta = fit_alpha_beta([r["bytes"] for r in multi["allreduce"]],
-                                 [r["seconds"] for r in multi["allreduce"]])
+    alpha, beta = fit_ring_allreduce([r["bytes"] for r in multi["allreduce"]],
+                                     [r["seconds"] for r in multi["allreduce"]], args.ranks)
     result = {
         "command": f"python bench/ddp.py --steps {args.steps} --ranks {args.ranks}",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
