@@ -140,3 +140,18 @@ def test_frozen_flag_and_buffers_on_module():
     m.freeze("W", False)
     m.buffer("table", np.ones(3))
     assert [n for n, _ in m.named_buffers()] == ["table"]
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_data_parallel_trainer_sees_only_the_adapters(zero):
+    from npformer.distributed import DistributedTrainer, SingleProcess
+
+    text = np.tile(np.arange(11), 30)
+    cfg = npf.TrainConfig(steps=3, batch_size=2, block_size=6, lr=1e-2, warmup_steps=1,
+                          eval_interval=3, eval_batches=1, log_interval=3)
+    model = npf.add_lora(_llama(dtype="float32"), rank=2, alpha=4)
+    trainer = DistributedTrainer(model, text[:250], text[250:], cfg, comm=SingleProcess(),
+                                 zero=zero)
+    assert all("lora" in n for n in trainer.flat.names)
+    trainer.fit()
+    assert np.any(model.h[0].attn.qkv.lora_B != 0)
