@@ -181,7 +181,7 @@ def part_block(T=2048, sizes=(16, 32, 64, 128, 256, 512), h=2, repeats=5,
     return res
 
 
-def part_window(lengths, causal_max=4096, h=2, b=64, repeats=3, threads=2) -> dict:
+def part_window(lengths, causal_max=4096, h=2, b=64, repeats=5, threads=2) -> dict:
     res = dict(T=[], window=WINDOW, block_size=b, h=h, threads=threads, window_s=[], causal_s=[],
                tiles_window=[], tiles_causal=[], window_MiB=[])
     for T in lengths:
@@ -213,10 +213,11 @@ def main(argv=None) -> None:
     path = Path(args.json)
     results = json.loads(path.read_text()) if path.exists() else {}
     if args.quick:
-        plan = dict(memory=lambda: part_memory([256, 512]),
-                    time=lambda: part_time([256, 512], repeats=3, threads=args.threads),
-                    block=lambda: part_block(T=256, sizes=(32, 64), repeats=2),
-                    window=lambda: part_window([256, 512], repeats=1))
+        plan = dict(memory=lambda: part_memory([128, 256]),
+                    time=lambda: part_time([128, 256], repeats=2, threads=args.threads),
+                    block=lambda: part_block(T=128, sizes=(32, 64), repeats=1,
+                                             threads=args.threads),
+                    window=lambda: part_window([128, 256], repeats=1, threads=args.threads))
     else:
         plan = dict(memory=lambda: part_memory([512, 1024, 2048, 4096, 8192]),
                     time=lambda: part_time([256, 512, 1024, 2048, 4096], threads=args.threads),

@@ -7,6 +7,11 @@ i + Tk - Tq) sees key j when j <= i + Tk - Tq (causal) and j > i + Tk - Tq - w (
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -343,3 +348,28 @@ def test_llama_trained_with_the_flag_matches_the_standard_losses():
     standard, flash = losses("standard"), losses("flash")
     assert standard[-1] < standard[0]
     np.testing.assert_allclose(flash, standard, rtol=1e-10, atol=0)
+
+
+# The benchmark: a smoke run of the script, and the committed results the chapter reads.
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_quick_run_writes_every_part(tmp_path):
+    out = tmp_path / "flash.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "flash.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert {"memory", "time", "block", "window", "machine"} <= set(res)
+    assert all(s > f > 0 for s, f in zip(res["memory"]["standard_MiB"],
+                                         res["memory"]["flash_MiB"]))
+
+
+def test_committed_results_cover_the_lengths_the_chapter_reports():
+    res = json.loads((ROOT / "book" / "data" / "flash.json").read_text())
+    assert res["memory"]["T"] == [512, 1024, 2048, 4096, 8192]
+    assert 1024 in res["time"]["T"] and 4096 in res["time"]["T"]
+    assert res["time"]["threads"] == 2 and res["machine"]["cpu"]
+    for part in ("block", "window"):
+        assert part in res
