@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REMOTE = re.compile(r"""<(?:script|link)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.I)
@@ -149,10 +150,14 @@ def main(argv: list[str]) -> int:
     if chromium is None:
         print("error: chromium not found (Debian package: chromium)", file=sys.stderr)
         return 1
+    # Two browsers at a time (CI has two cores); each page in its two window widths.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        doms = {(page, width): pool.submit(render, chromium, page, width)
+                for page in pages for width in (WIDE, NARROW)}
     for page in pages:
         source = page.read_text(encoding="utf-8")
         has_math = 'class="math' in source
-        dom = render(chromium, page, WIDE)
+        dom = doms[page, WIDE].result()
         n = dom.count("<mjx-container")
         raw = [t for t in RAW_TEX if t in visible_text(dom)]
         status = "ok"
@@ -163,7 +168,7 @@ def main(argv: list[str]) -> int:
             status = f"raw TeX left in text: {raw}"
             failures.append(f"{page}: {status}")
         wide = width_report(dom)
-        narrow = width_report(render(chromium, page, NARROW))
+        narrow = width_report(doms[page, NARROW].result())
         for report, is_wide in ((wide, True), (narrow, False)):
             for problem in width_problems(report, is_wide):
                 failures.append(f"{page.relative_to(build)} at {report['width']} px: {problem}")
