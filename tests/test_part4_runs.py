@@ -55,3 +55,11 @@ def test_fine_tuning_runs_start_as_logged(corpora, name, rank):
     got = _first_losses(model, code[:int(0.9 * len(code))], lr=1e-2 if rank else 1e-3,
                         warmup_steps=10, weight_decay=0.0)
     np.testing.assert_allclose(got, LOG["runs"][name]["first_losses"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama_layernorm", "llama_gelu", "llama_learned_pos"])
+def test_ablation_runs_start_as_logged(corpora, name):
+    pydoc, _ = corpora
+    model = part4_runs.ablations(LOG["vocab_size"])[name]
+    got = _first_losses(model, pydoc[:int(0.9 * len(pydoc))])
+    np.testing.assert_allclose(got, LOG["runs"][name]["first_losses"], rtol=1e-4)

@@ -11,6 +11,9 @@ Runs, all character-level, d_model = 64, two blocks, batch 8 x 64 tokens, AdamW:
 - "dense" and "moe": a Llama whose feed-forward layers are 4 SwiGLU experts of width 64,
   top-2, against a dense Llama of width 128 (the same active feed-forward parameters),
   with the experts' load (share of assignments per layer) logged during training;
+- "llama_layernorm", "llama_gelu", "llama_learned_pos": the Llama-style model with one
+  substitution undone (LayerNorm, a GELU layer of the same weight count, learned
+  positions with RoPE turned into the identity);
 - "lora_r4", "lora_r8", "full": the pydoc Llama fine-tuned on the standard library's
   Python sources, with LoRA adapters of rank 4 and 8 on query and value, or in full.
 tests/test_part4_runs.py re-runs the first steps of each and compares with this log.
@@ -58,6 +61,50 @@ def models(vocab_size: int) -> dict:
     }
 
 
+class LearnedPositions(npf.Llama):
+    """The ablation "learned positions instead of RoPE": RoPE turned into the identity
+    (cos = 1, sin = 0) and GPT's learned position table added to the token embeddings."""
+
+    def __init__(self, config, seed=0):
+        super().__init__(config, seed=seed)
+        self.rope.cos[...], self.rope.sin[...] = 1, 0
+        self.child("wpe", npf.PositionalEmbedding(config.block_size, config.d_model, seed=seed))
+
+    def forward(self, ids):
+        ids = self.check_ids(ids)
+        x = self.wte(ids) + self.wpe(ids.shape[1])
+        for block in self.h:
+            x = block(x)
+        self.cache = xf = self.ln_f(x)
+        return xf @ self.wte.W.T
+
+    def backward(self, dlogits):
+        xf = self.cache
+        V, d = self.wte.W.shape
+        self.wte.dW += dlogits.reshape(-1, V).T @ xf.reshape(-1, d)
+        dx = self.ln_f.backward(dlogits @ self.wte.W)
+        for block in reversed(self.h):
+            dx = block.backward(dx)
+        self.wpe.backward(dx)
+        self.wte.backward(dx)
+
+
+def ablations(vocab_size: int) -> dict:
+    """The Llama-style model with one of its substitutions undone, at about equal size."""
+    llama = dict(vocab_size=vocab_size, n_kv_head=4, tie_embeddings=True, **SIZES)
+    d = SIZES["d_model"]
+    layernorm = npf.Llama(npf.LlamaConfig(d_ff=184, **llama), seed=0)
+    for i, block in enumerate(layernorm.h):  # LayerNorm (gain and bias) instead of RMSNorm
+        block.child("ln_1", npf.LayerNorm(d, eps=1e-5))
+        block.child("ln_2", npf.LayerNorm(d, eps=1e-5))
+    layernorm.child("ln_f", npf.LayerNorm(d, eps=1e-5))
+    gelu = npf.Llama(npf.LlamaConfig(d_ff=184, **llama), seed=0)
+    for i, block in enumerate(gelu.h):  # a GELU layer of width 276: SwiGLU's 3 d d_ff weights
+        block.child("mlp", npf.FeedForward(d, 276, activation="gelu", bias=False, seed=i))
+    return {"llama_layernorm": layernorm, "llama_gelu": gelu,
+            "llama_learned_pos": LearnedPositions(npf.LlamaConfig(d_ff=184, **llama))}
+
+
 def expert_loads(model) -> list[list[float]]:
     """Each layer's share of top-k assignments per expert in the last forward pass."""
     return [(np.bincount(b.mlp.cache[2].ravel(), minlength=b.mlp.n_expert)
@@ -90,9 +137,8 @@ def main() -> int:
     tok, pydoc, code = corpora()
     cut_p, cut_c = int(0.9 * len(pydoc)), int(0.9 * len(code))
     runs = {}
-    if "--finetune-only" in sys.argv:  # keep the pretraining runs of the existing log
-        runs = {k: v for k, v in json.loads(LOG.read_text())["runs"].items()
-                if k in models(tok.vocab_size)}
+    if "--ablations-only" in sys.argv:  # add the ablations to the existing log
+        runs = json.loads(LOG.read_text())["runs"]
     for name, model in models(tok.vocab_size).items():
         if name in runs:
             continue
@@ -101,6 +147,13 @@ def main() -> int:
             npf.save(model, CKPT)
         print(name, {k: v for k, v in runs[name].items() if k != "loads"}, flush=True)
         write(tok, runs)
+    for name, model in ablations(tok.vocab_size).items():
+        if name not in runs:
+            runs[name], _ = train(model, pydoc[:cut_p], pydoc[cut_p:], STEPS)
+            print(name, runs[name]["val_loss"], runs[name]["parameters"], flush=True)
+            write(tok, runs)
+    if "--ablations-only" in sys.argv:
+        return 0
     base = npf.load(CKPT)
     runs["pydoc_llama_on_code"] = {"val_loss": npf.Trainer(
         base, code[:cut_c], code[cut_c:],
