@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import npformer as npf
-from npformer.gradcheck import check_module, numerical_gradient, relative_error
+from npformer.gradcheck import check_module
 from npformer.losses import next_token_loss
 from npformer.models.llama import llama_hf_state
 from npformer.softmax import softmax
@@ -26,6 +26,23 @@ def _randomize(model, seed=1, scale=0.5):
 def _llama(dtype="float64", **overrides):
     return npf.Llama(npf.LlamaConfig(**{**MOE, **overrides}, dtype=dtype), seed=0)
 
+
+
+def _sampled_fd_error(loss, p, g, n=12, eps=1e-6, seed=0):
+    """Largest relative error of g against central differences at n random entries of p."""
+    idx = np.random.default_rng(seed).choice(p.size, size=min(n, p.size), replace=False)
+    worst = 0.0
+    for i in idx:
+        k = np.unravel_index(i, p.shape)
+        old = p[k]
+        p[k] = old + eps
+        up = loss()
+        p[k] = old - eps
+        down = loss()
+        p[k] = old
+        num = (up - down) / (2 * eps)
+        worst = max(worst, abs(num - g[k]) / (abs(num) + abs(g[k]) + 1e-4))  # FD noise ~1e-10
+    return worst
 
 def test_layer_matches_a_dense_reference():
     moe = npf.SparseMoE(8, 6, 4, 2, seed=0, dtype="float64")
@@ -107,9 +124,7 @@ def test_model_objective_gradient_includes_the_aux_loss():
     _, dlogits = objective()
     model.backward(dlogits)
     for name, p, g in model.named_parameters():
-        if "mlp" in name or name == "wte.W":
-            num = numerical_gradient(lambda: objective()[0], p)
-            assert relative_error(g, num) < 1e-6, name
+        assert _sampled_fd_error(lambda: objective()[0], p, g) < 1e-5, name
 
 
 def test_trainer_objective_adds_the_aux_term():
