@@ -2,6 +2,10 @@
 
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -287,3 +291,39 @@ def test_hf_bad_directories(tmp_path):
     save_file(bad, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="h.0.attn.qkv.W"):
         npf.load_pretrained_llama(path)
+
+
+@pytest.mark.parametrize("n_expert", [0, 4])
+def test_data_parallel_trainer_runs_llama(n_expert):
+    from npformer.distributed import DistributedTrainer, SingleProcess
+
+    text = np.tile(np.arange(7), 40)
+    cfg = npf.TrainConfig(steps=4, batch_size=4, block_size=6, lr=1e-2, warmup_steps=1,
+                          eval_interval=4, eval_batches=1, log_interval=4)
+    one = npf.Trainer(_model(dtype="float32", n_expert=n_expert), text[:200], text[200:], cfg)
+    dp = DistributedTrainer(_model(dtype="float32", n_expert=n_expert), text[:200],
+                            text[200:], cfg, comm=SingleProcess())
+    a, b = one.fit(), dp.fit()
+    np.testing.assert_allclose([r["train_loss"] for r in a], [r["train_loss"] for r in b],
+                               rtol=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None,
+                    reason="mpiexec is not installed: pip install -e '.[mpi]'")
+def test_llama_under_mpiexec_trains_the_one_process_run(tmp_path):
+    """Data parallelism over two MPI processes gives the one-process Llama (dense)."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    (tmp_path / "corpus.txt").write_text("def add(a, b):\n    return a + b\n# the fox\n" * 40)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "npformer", "train", "llama", "--data", "corpus.txt",
+           "--quiet", "--n-layer", "1", "--n-head", "2", "--d-model", "16", "--block-size",
+           "16", "--batch-size", "4", "--eval-interval", "4", "--eval-batches", "1",
+           "--log-interval", "2", "--warmup-steps", "2", "--dtype", "float64", "--steps", "6"]
+    one = subprocess.run([*cli, "--out", "one"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    two = subprocess.run([mpiexec, "-n", "2", *cli, "--out", "two"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    a, b = (npf.load(tmp_path / d / "ckpt.safetensors") for d in ("one", "two"))
+    for (name, p, _), (_, q, _) in zip(a.named_parameters(), b.named_parameters()):
+        np.testing.assert_allclose(q, p, rtol=1e-10, atol=1e-12, err_msg=name)
