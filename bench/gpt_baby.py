@@ -3,7 +3,7 @@
 The full run whose log and trained model book/gpt.md loads (the chapter trains the same
 model for a few hundred steps):
 
-    OPENBLAS_NUM_THREADS=1 python bench/gpt_baby.py --steps 6000 \
+    OPENBLAS_NUM_THREADS=1 python bench/gpt_baby.py --steps 2000 \
         --out book/data/gpt_baby.json --save book/data/gpt_baby.safetensors
 
 (One BLAS thread: these matrices are small, and on a shared machine a multithreaded
@@ -194,7 +194,7 @@ def _dumps(obj) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=Path("book/data/gpt_baby.json"))
     ap.add_argument("--save", type=Path, default=None,
                     help="also write the trained model here with npf.save")
