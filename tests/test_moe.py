@@ -169,3 +169,46 @@ def test_generate_save_load_and_mixtral_directory(tmp_path):
     loaded = npf.load_pretrained_llama(tmp_path, dtype="float64")
     assert loaded.config == c
     np.testing.assert_array_equal(loaded.forward(ids), model.forward(ids))
+
+
+SCRIPT = """
+import numpy as np, npformer as npf
+from npformer.distributed import DistributedTrainer, MPIWorld
+comm = MPIWorld()
+text = np.tile(np.arange(9), 40)
+cfg = npf.TrainConfig(steps=4, batch_size=4, block_size=6, lr=1e-2, warmup_steps=1,
+                      eval_interval=4, eval_batches=1, log_interval=4)
+model = npf.Llama(npf.LlamaConfig(vocab_size=9, block_size=6, n_layer=2, n_head=2,
+                                  n_kv_head=1, d_model=8, d_ff=6, n_expert=4, top_k=2,
+                                  aux_loss_coef=0.5, dtype="float64"), seed=0)
+records = DistributedTrainer(model, text[:300], text[300:], cfg, comm=comm).fit()
+if comm.rank == 0:
+    np.savez("two.npz", loss=[r["train_loss"] for r in records],
+             **{n: p for n, p, _ in model.named_parameters()})
+"""
+
+
+def test_two_mpi_processes_train_the_one_process_moe(tmp_path):
+    """The routing statistics are summed over the ranks: one pooled auxiliary loss."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec is not installed: pip install -e '.[mpi]'")
+    (tmp_path / "script.py").write_text(SCRIPT)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
+    run = subprocess.run([mpiexec, "-n", "2", sys.executable, "script.py"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    text = np.tile(np.arange(9), 40)
+    cfg = npf.TrainConfig(steps=4, batch_size=4, block_size=6, lr=1e-2, warmup_steps=1,
+                          eval_interval=4, eval_batches=1, log_interval=4)
+    model = _llama(aux_loss_coef=0.5)
+    records = npf.Trainer(model, text[:300], text[300:], cfg).fit()
+    two = np.load(tmp_path / "two.npz")
+    np.testing.assert_allclose(two["loss"], [r["train_loss"] for r in records], rtol=1e-10)
+    for name, p, _ in model.named_parameters():
+        np.testing.assert_allclose(two[name], p, rtol=1e-9, atol=1e-12, err_msg=name)
