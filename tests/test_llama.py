@@ -222,7 +222,7 @@ def test_trainer_lowers_the_loss():
     assert trainer.evaluate() < first - 0.5
 
 
-def test_cli_trains_llama(tmp_path):
+def test_cli_trains_llama(tmp_path, capsys):
     from npformer.cli import main
 
     corpus = tmp_path / "text.txt"
@@ -233,6 +233,15 @@ def test_cli_trains_llama(tmp_path):
                "--eval-batches", "1", "--log-interval", "1", "--quiet"])
     assert rc == 0
     assert isinstance(npf.load(tmp_path / "run" / "ckpt.safetensors"), npf.Llama)
+    rc = main(["train", "llama", "--data", str(corpus), "--out", str(tmp_path / "moe"),
+               "--steps", "2", "--n-layer", "1", "--n-head", "2", "--n-kv-head", "1",
+               "--n-expert", "4", "--top-k", "2", "--d-model", "16", "--block-size", "8",
+               "--batch-size", "2", "--eval-interval", "2", "--eval-batches", "1", "--quiet"])
+    c = npf.load(tmp_path / "moe" / "ckpt.safetensors").config
+    assert rc == 0 and (c.n_kv_head, c.n_expert, c.top_k) == (1, 4, 2)
+    assert main(["train", "gpt", "--data", str(corpus), "--out", str(tmp_path / "gpt"),
+                 "--steps", "2", "--n-kv-head", "1", "--quiet"]) != 0  # GPT has no K/V heads
+    assert "--n-kv-head: expected nothing" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ Hugging Face directories
