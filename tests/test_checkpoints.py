@@ -1,0 +1,119 @@
+"""The book's committed trained models (book/data/*.safetensors) and their logs.
+
+Each checkpoint is small, loads with ``npf.load`` and is the model its log describes; and a
+re-run of the first steps of the script that trained it (bench/gpt_baby.py,
+bench/seq2seq_dates.py) gives the training losses of the committed log. The date model
+has two stages, each with its log: 20,000 steps of the paper's schedule
+(seq2seq_dates_base.*) and a short cooldown that starts from those weights
+(seq2seq_dates.*).
+
+A log is bit-exact only on the machine that wrote it: BLAS kernels, and so the rounding of
+float32 matrix products, differ between CPUs, and AdamW amplifies a last-bit difference a
+little at every step. The first ``FIRST_STEPS`` losses (about 4.6 and 3.2 nats at the
+start) are therefore compared within ``FIRST_STEPS_ATOL``; on the machine that wrote the
+logs they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import npformer as npf
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "book" / "data"
+FIRST_STEPS = 10
+FIRST_STEPS_ATOL = 1e-3  # nats: float32 losses after 10 optimiser steps, any x86-64 CPU
+MAX_BYTES = 5_000_000
+
+
+def _bench(name: str):
+    """A script of bench/ as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _log(name: str) -> dict:
+    return json.loads((DATA / f"{name}.json").read_text())
+
+
+# --- the baby GPT of book/gpt.md -------------------------------------------------------
+
+def test_gpt_baby_checkpoint_is_small_and_is_the_logged_model():
+    path, log = DATA / "gpt_baby.safetensors", _log("gpt_baby")
+    assert path.stat().st_size < MAX_BYTES
+    ckpt = npf.load_checkpoint(path)
+    assert isinstance(ckpt.model, npf.GPT)
+    assert ckpt.step == log["optim"]["steps"]
+    cfg = ckpt.model.config
+    assert {k: getattr(cfg, k) for k in log["config"]} == log["config"]
+    assert len(ckpt.extra["chars"]) == cfg.vocab_size == log["corpus"]["vocab"]
+    assert type(npf.load(path)) is npf.GPT  # the short form the book uses
+
+
+def test_gpt_baby_checkpoint_gives_the_logged_final_losses():
+    """The loaded weights, on the run's fixed evaluation batches, give its last losses."""
+    gb, log = _bench("gpt_baby"), _log("gpt_baby")
+    _, train_data, val_data = gb.split_data()
+    fixed = gb.fixed_batches(train_data, val_data)
+    model = npf.load(DATA / "gpt_baby.safetensors")
+    last = log["evals"][-1]
+    for split in ("train", "val"):
+        assert gb.estimate_loss(model, fixed[split]) == pytest.approx(last[split], abs=1e-4)
+
+
+def test_gpt_baby_first_steps_match_the_log():
+    log = _log("gpt_baby")
+    losses = _bench("gpt_baby").first_losses(FIRST_STEPS, log["optim"]["steps"])
+    np.testing.assert_allclose(losses, log["train_loss"][:FIRST_STEPS], rtol=0,
+                               atol=FIRST_STEPS_ATOL)
+
+
+# --- the date model of book/seq2seq.md -------------------------------------------------
+
+def test_date_checkpoint_is_small_and_is_the_logged_model():
+    path, log = DATA / "seq2seq_dates.safetensors", _log("seq2seq_dates")
+    assert path.stat().st_size < MAX_BYTES
+    model = npf.load(path)
+    assert isinstance(model, npf.Transformer)
+    assert {k: getattr(model.config, k) for k in log["config"]} == log["config"]
+
+
+def test_date_checkpoint_translates_held_out_years_as_logged():
+    """Greedy decoding of the log's 10,000 held-out pairs gives the logged exact match (all
+    errors are the held-out two-digit year 19, see book/seq2seq.md), and no fewer."""
+    from npformer.seq2seq import HELD_OUT_YEARS, date_pairs, date_vocabs, translate
+
+    log = _log("seq2seq_dates")
+    model = npf.load(DATA / "seq2seq_dates.safetensors").eval()
+    src_vocab, tgt_vocab = date_vocabs()
+    texts, labels = date_pairs(10_000, HELD_OUT_YEARS, np.random.default_rng(5))
+    outs = []
+    for i in range(0, len(texts), 500):
+        outs += translate(model, texts[i:i + 500], src_vocab, tgt_vocab)
+    exact = float(np.mean([o == y for o, y in zip(outs, labels)]))
+    assert exact >= 0.985
+    assert exact == pytest.approx(log["final"]["held_out"]["greedy_exact_match"], abs=1e-3)
+
+
+def test_date_model_first_steps_match_both_logs():
+    """Stage 1 from scratch (the paper's schedule), stage 2 from stage 1's weights."""
+    sd = _bench("seq2seq_dates")
+    base, log = _log("seq2seq_dates_base"), _log("seq2seq_dates")
+    losses = sd.first_losses(FIRST_STEPS, base["optim"]["steps"], 0)
+    np.testing.assert_allclose(losses, base["train_loss"][:FIRST_STEPS], rtol=0,
+                               atol=FIRST_STEPS_ATOL)
+    init = DATA / "seq2seq_dates_base.safetensors"
+    assert hashlib.sha256(init.read_bytes()).hexdigest() == log["init"]["sha256"]
+    losses = sd.first_losses(FIRST_STEPS, log["optim"]["steps"], 0, init=init,
+                             init_lr=log["optim"]["init_lr"])
+    np.testing.assert_allclose(losses, log["train_loss"][:FIRST_STEPS], rtol=0,
+                               atol=FIRST_STEPS_ATOL)
