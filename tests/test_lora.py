@@ -155,3 +155,66 @@ def test_data_parallel_trainer_sees_only_the_adapters(zero):
     assert all("lora" in n for n in trainer.flat.names)
     trainer.fit()
     assert np.any(model.h[0].attn.qkv.lora_B != 0)
+
+
+def _bert():
+    return npf.BERT(npf.BERTConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8,
+                                   d_ff=16, dropout=0.0, dtype="float64"), seed=0)
+
+
+def _encoder():
+    return npf.Encoder(npf.EncoderConfig(vocab_size=11, block_size=6, n_layer=2, n_head=2,
+                                         d_model=8, d_ff=16, dtype="float64"), seed=0)
+
+
+def _transformer():
+    return npf.Transformer(npf.TransformerConfig(
+        src_vocab_size=11, tgt_vocab_size=11, block_size=6, n_layer=2, n_head=2, d_model=8,
+        d_ff=16, dropout=0.0, dtype="float64"), seed=0)
+
+
+def _run(model, ids):
+    if isinstance(model, npf.Transformer):
+        return model.forward(ids, ids[:, ::-1].copy())
+    return model.forward(ids)
+
+
+# every attention of each model: (path of the adapted Linear, adapted output columns)
+_QV = np.r_[0:8, 16:24]  # Q and V of a fused (8, 24) qkv
+DEFAULT_SITES = {
+    "gpt": (_gpt, {f"h.{i}.attn.qkv": _QV for i in range(2)}),
+    "bert": (_bert, {f"h.{i}.attn.qkv": _QV for i in range(2)}),
+    "encoder": (_encoder, {f"h.{i}.attn.qkv": _QV for i in range(2)}),
+    "transformer": (_transformer, {
+        **{f"encoder.{i}.attn.qkv": _QV for i in range(2)},
+        **{f"decoder.{i}.self_attn.qkv": _QV for i in range(2)},
+        **{f"decoder.{i}.cross_attn.q": np.arange(8) for i in range(2)},
+        **{f"decoder.{i}.cross_attn.kv": np.arange(8, 16) for i in range(2)}}),
+    "llama": (_llama, {f"h.{i}.attn.qkv": np.r_[0:16, 24:32] for i in range(2)}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DEFAULT_SITES))
+def test_default_targets_cover_every_attention_and_merge_restores_it(kind):
+    make, expected = DEFAULT_SITES[kind]
+    model = make()
+    ids = _ids()
+    before = _run(model, ids)
+    names = [n for n, _, _ in model.named_parameters()]
+    npf.add_lora(model, rank=2, alpha=4)
+    adapted = {path: m for path, m in model.named_modules() if isinstance(m, npf.LoRALinear)}
+    assert set(adapted) == set(expected)
+    for path, cols in expected.items():
+        np.testing.assert_array_equal(adapted[path].cols, cols, err_msg=path)
+    trainable = [n for n, _, _ in model.named_parameters()]
+    assert sorted(trainable) == sorted(f"{p}.lora_{ab}" for p in expected for ab in "AB")
+    np.testing.assert_array_equal(_run(model, ids), before)  # B = 0: the same model
+    npf.merge_lora(model)
+    assert [n for n, _, _ in model.named_parameters()] == names
+    np.testing.assert_array_equal(_run(model, ids), before)  # exactly: W + 0
+    npf.add_lora(model, rank=2, alpha=4)
+    _perturb(model)
+    tuned = _run(model, ids)
+    assert not np.allclose(tuned, before)  # every adapter moves the output
+    npf.merge_lora(model)
+    np.testing.assert_allclose(_run(model, ids), tuned, rtol=1e-12, atol=1e-12)
