@@ -218,3 +218,18 @@ def test_default_targets_cover_every_attention_and_merge_restores_it(kind):
     assert not np.allclose(tuned, before)  # every adapter moves the output
     npf.merge_lora(model)
     np.testing.assert_allclose(_run(model, ids), tuned, rtol=1e-12, atol=1e-12)
+
+
+def test_generators_are_registered_and_walked():
+    from npformer.checkpoint import generator_states
+
+    m = npf.Linear(3, 2, seed=0)
+    m.stray = np.random.default_rng(5)  # not registered: not part of the model's state
+    rng = m.generator("rng", np.random.default_rng(1))
+    m.generator("rng", rng)  # registering again replaces, never duplicates
+    assert [n for n, _ in m.named_generators()] == ["rng"]
+    gpt = _gpt()
+    names = [n for n, _ in gpt.named_generators()]
+    assert names == ["drop.rng"] + [f"h.{i}.drop_{w}.rng" for i in range(2)
+                                    for w in ("attn", "mlp")]
+    assert list(generator_states(gpt)) == names
