@@ -374,7 +374,7 @@ def test_sampling_is_reproducible_from_the_seed():
      r"temperature: expected a finite number >= 0, got -1.0"),
     (lambda: sample_next(LOGITS, 0), r"rng: expected a numpy.random.Generator, got int"),
     (lambda: sample_next(LOGITS[0], np.random.default_rng(0)),
-     r"logits: expected a float array of shape \(B, V\)"),
+     r"logits: expected a float array of shape \(B, vocab_size\)"),
     (lambda: top_k_filter(np.array([[1, 2]]), 1), r"logits: expected a float array"),
 ])
 def test_sampling_controls_validate_their_arguments(call, match):
