@@ -1,0 +1,137 @@
+"""The training path on a device, without a GPU: every model family's step, ``generate``
+and ``beam_search`` run on the strict array of ``strict_array.py`` (CuPy's rules: no
+implicit host conversion, no mixing with host arrays), equal the NumPy run, and read
+the host at most twice per training step (the loss and the gradient norm)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from strict_array import Strict, register, strict
+
+import npformer as npf
+from npformer.module import (
+    CounterGenerator,
+    FlatStore,
+    check_ids,
+    device_of,
+    read_host,
+    to_device,
+    to_host,
+)
+from npformer.optim import AdamW, train_step
+from npformer.train import next_token_objective
+
+register()
+MAX_READS = 2  # the loss and the gradient norm
+# Float64 on both sides: the same NumPy kernels run, so the two runs agree to rounding
+# (the strict device reorders no sums; differences come from fused vs split operations).
+RTOL = 1e-12
+
+
+def _ids(vocab: int, shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def _steps(model, objective, batches, *, device: str, **kw):
+    """Train 2 steps with AdamW and clipping; return (losses, norms, reads per step)."""
+    if device != "cpu":
+        model.to(device)
+    opt = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+    rng = np.random.default_rng(1)
+    losses, norms, reads = [], [], []
+    for ids in batches:
+        batch = to_device(ids, device)
+        Strict.reset()
+        loss, norm = train_step(model, opt, lambda m, b: objective(m, b, rng, **kw), batch,
+                                max_norm=0.5)
+        reads.append(Strict.reads)
+        losses.append(loss)
+        norms.append(norm)
+    return losses, norms, reads
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {n: to_host(p) for n, p, _ in model.named_parameters(include_frozen=True)}
+
+
+def _same_run(make, objective, batches, **kw):
+    ref, dev = make(), make()
+    l0, n0, _ = _steps(ref, objective, batches, device="cpu", **kw)
+    l1, n1, reads = _steps(dev, objective, batches, device="strict", **kw)
+    np.testing.assert_allclose(l1, l0, rtol=RTOL)
+    np.testing.assert_allclose(n1, n0, rtol=RTOL)
+    p0, p1 = _params(ref), _params(dev)
+    for name in p0:
+        np.testing.assert_allclose(p1[name], p0[name], rtol=1e-10, atol=1e-13, err_msg=name)
+    assert dev.device == "strict" and device_of(next(dev.named_parameters())[1]) == "strict"
+    assert max(reads) <= MAX_READS, f"host reads per step: {reads}"
+    return reads
+
+
+GPT_CFG = dict(vocab_size=13, block_size=8, n_layer=2, n_head=2, d_model=16, dtype="float64")
+
+
+def test_gpt_step_on_device_equals_numpy_and_reads_twice():
+    batches = [_ids(13, (2, 8), s) for s in range(2)]
+    _same_run(lambda: npf.GPT(npf.GPTConfig(**GPT_CFG), seed=0), next_token_objective,
+              batches)
+
+
+def test_moving_back_to_cpu_gives_numpy_arrays():
+    model = npf.GPT(npf.GPTConfig(**GPT_CFG), seed=0).to("strict").to("cpu")
+    assert model.device == "cpu"
+    assert all(isinstance(p, np.ndarray) and isinstance(g, np.ndarray)
+               for _, p, g in model.named_parameters())
+
+
+def test_optimizer_built_before_the_move_refuses():
+    model = npf.GPT(npf.GPTConfig(**GPT_CFG), seed=0)
+    opt = AdamW(model.named_parameters(), lr=1e-3)
+    model.to("strict")
+    ids = to_device(_ids(13, (2, 8)), "strict")
+    with pytest.raises(RuntimeError, match="optimiser.*after"):
+        train_step(model, opt, lambda m, b: next_token_objective(m, b, None), ids)
+
+
+def test_host_ids_for_a_device_model_are_refused():
+    model = npf.GPT(npf.GPTConfig(**GPT_CFG), seed=0).to("strict")
+    with pytest.raises(ValueError, match="ids: expected an array on 'strict'"):
+        model.forward(_ids(13, (2, 8)))
+
+
+def test_bad_ids_on_a_device_fail_at_the_next_read():
+    ids = strict(np.array([[1, 2], [3, 99]]))
+    check_ids(ids, vocab_size=10)  # nothing read yet
+    with pytest.raises(ValueError, match="ids: expected token ids in \\[0, 10\\), got 99"):
+        read_host(strict(np.float64(1.0)))
+
+
+def test_counter_generator_is_the_same_stream_on_every_device():
+    a, b = CounterGenerator(7), CounterGenerator(7, "strict")
+    x, y = a.random((3, 5)), b.random((3, 5))
+    assert isinstance(y, Strict)
+    np.testing.assert_array_equal(to_host(y), x)
+    assert 0 <= x.min() and x.max() < 1
+    u = CounterGenerator(3).random(200_000, dtype=np.float32)
+    assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002  # 5 sigma or more
+
+
+def test_flat_store_whole_buffer_equals_per_parameter_update():
+    cfg = npf.GPTConfig(**GPT_CFG)
+    flat, loose = npf.GPT(cfg, seed=0), npf.GPT(cfg, seed=0)
+    assert FlatStore.of(list(flat.named_parameters())) is not None
+    triples = [(n, p.copy(), g) for n, p, g in loose.named_parameters()]  # not the store's
+    for (n, p, _), (_, q, _) in zip(loose.named_parameters(), triples):
+        q[...] = p
+    assert FlatStore.of(triples) is None
+    ids = _ids(13, (2, 8))
+    for model, params in ((flat, list(flat.named_parameters())), (loose, triples)):
+        opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+        model.zero_grad()
+        _, dlogits = npf.losses.next_token_loss(model.forward(ids), ids)
+        model.backward(dlogits)
+        for (_, _, g), (_, _, g2) in zip(model.named_parameters(), params):
+            g2[...] = g
+        opt.step()
+    for (n, p, _), (_, q, _) in zip(flat.named_parameters(), triples):
+        np.testing.assert_allclose(p, q, rtol=1e-14, atol=1e-16, err_msg=n)
