@@ -19,7 +19,7 @@ from npformer.module import (
     to_host,
 )
 from npformer.optim import AdamW, train_step
-from npformer.train import next_token_objective
+from npformer.train import masked_lm_objective, next_token_objective
 
 register()
 MAX_READS = 2  # the loss and the gradient norm
@@ -32,7 +32,7 @@ def _ids(vocab: int, shape, seed=0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, shape)
 
 
-def _steps(model, objective, batches, *, device: str, **kw):
+def _steps(model, objective, batches, *, device: str, host_batch=False, **kw):
     """Train 2 steps with AdamW and clipping; return (losses, norms, reads per step)."""
     if device != "cpu":
         model.to(device)
@@ -40,7 +40,7 @@ def _steps(model, objective, batches, *, device: str, **kw):
     rng = np.random.default_rng(1)
     losses, norms, reads = [], [], []
     for ids in batches:
-        batch = to_device(ids, device)
+        batch = ids if host_batch else to_device(ids, device)
         Strict.reset()
         loss, norm = train_step(model, opt, lambda m, b: objective(m, b, rng, **kw), batch,
                                 max_norm=0.5)
@@ -135,3 +135,60 @@ def test_flat_store_whole_buffer_equals_per_parameter_update():
         opt.step()
     for (n, p, _), (_, q, _) in zip(flat.named_parameters(), triples):
         np.testing.assert_allclose(p, q, rtol=1e-14, atol=1e-16, err_msg=n)
+
+
+def test_bert_step_on_device_equals_numpy_and_reads_twice():
+    cfg = dict(vocab_size=30, block_size=8, n_layer=2, n_head=2, d_model=16, d_ff=32,
+               dropout=0.0, dtype="float64")  # a device's dropout stream is its own
+    batches = [np.random.default_rng(s).integers(5, 29, (2, 8)) for s in range(2)]
+    _same_run(lambda: npf.BERT(npf.BERTConfig(**cfg), seed=0), masked_lm_objective,
+              batches, mask_id=29, host_batch=True)  # masked on the host, then moved
+
+
+def test_encoder_step_on_device_equals_numpy_and_reads_twice():
+    from npformer.train import reconstruction_objective
+    cfg = npf.EncoderConfig(dtype="float64")
+    batches = [_ids(cfg.vocab_size, (2, cfg.block_size), s) for s in range(2)]
+    _same_run(lambda: npf.Encoder(cfg, seed=0), reconstruction_objective, batches)
+
+
+@pytest.mark.parametrize("n_expert", [0])  # experts route by the data: see the note below
+def test_llama_step_on_device_equals_numpy_and_reads_twice(n_expert):
+    cfg = dict(vocab_size=17, block_size=8, n_layer=2, n_head=4, n_kv_head=2, d_model=16,
+               d_ff=24, n_expert=n_expert, top_k=2, dtype="float64")
+    batches = [_ids(17, (2, 8), s) for s in range(2)]
+    _same_run(lambda: npf.Llama(npf.LlamaConfig(**cfg), seed=0), next_token_objective,
+              batches)
+
+
+def test_generate_on_device_gives_the_numpy_tokens_with_one_read_per_token():
+    cfg = npf.GPTConfig(**GPT_CFG)
+    ref, dev = npf.GPT(cfg, seed=0), npf.GPT(cfg, seed=0).to("strict")
+    prompt = _ids(13, (2, 3))
+    want = npf.generate(ref, prompt, 4, seed=5)
+    Strict.reset()
+    got = npf.generate(dev, prompt, 4, seed=5)
+    assert isinstance(got, np.ndarray)
+    np.testing.assert_array_equal(got, want)
+    assert Strict.reads <= 4 + 1  # the prompt's check, then one read per new token
+
+
+def test_save_from_device_writes_the_cpu_tensors(tmp_path):
+    cfg = npf.GPTConfig(**GPT_CFG)
+    npf.save(npf.GPT(cfg, seed=0), tmp_path / "cpu.safetensors")
+    npf.save(npf.GPT(cfg, seed=0).to("strict"), tmp_path / "dev.safetensors")
+    import safetensors.numpy
+    a = safetensors.numpy.load_file(tmp_path / "cpu.safetensors")
+    b = safetensors.numpy.load_file(tmp_path / "dev.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    model = npf.load(tmp_path / "dev.safetensors", device="strict")
+    assert model.device == "strict"
+
+
+def test_dropout_on_device_continues_the_same_stream_after_moving_back():
+    cfg = npf.GPTConfig(**{**GPT_CFG, "dropout": 0.2})
+    a = npf.GPT(cfg, seed=0).to("strict")
+    b = npf.GPT(cfg, seed=0).to("strict").to("cpu")  # the same generator, on the host
+    ids = _ids(13, (2, 8))
+    np.testing.assert_allclose(to_host(a.forward(to_device(ids, "strict"))), b.forward(ids),
+                               rtol=1e-12, atol=1e-14)
