@@ -266,3 +266,39 @@ def test_flash_kernel_on_device_equals_numpy():
     cfg = npf.GPTConfig(**{**GPT_CFG, "attention_kernel": "flash"})
     batches = [_ids(13, (2, 8), s) for s in range(2)]
     _same_run(lambda: npf.GPT(cfg, seed=0), next_token_objective, batches)
+
+
+def test_cuda_without_cupy_or_a_gpu_names_what_is_missing():
+    import importlib.util
+    model = npf.GPT(npf.GPTConfig(**GPT_CFG), seed=0)
+    if importlib.util.find_spec("cupy") is None:
+        with pytest.raises(RuntimeError, match=r"device 'cuda': CuPy is not installed"):
+            model.to("cuda")
+    else:  # CuPy without a GPU (with one, tests/test_gpu.py runs instead)
+        import cupy
+        try:
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                pytest.skip("a GPU is present")
+        except Exception:
+            pass
+        with pytest.raises(RuntimeError, match=r"device 'cuda': CuPy"):
+            model.to("cuda")
+    assert model.device == "cpu"  # nothing moved
+
+
+def test_an_unknown_device_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"device: expected one of \[.*'cuda'.*\], got 'tpu'"):
+        npf.GPT(npf.GPTConfig(**GPT_CFG), seed=0).to("tpu")
+
+
+def test_the_command_line_trains_and_samples_on_a_device(tmp_path, capsys):
+    from npformer.cli import main
+    args = ["train", "gpt", "--data", "pydoc", "--out", str(tmp_path / "run"), "--steps", "3",
+            "--n-layer", "1", "--d-model", "16", "--n-head", "2", "--block-size", "16",
+            "--batch-size", "2", "--quiet", "--device", "strict"]
+    assert main(args) == 0
+    assert main(["sample", str(tmp_path / "run"), "--max-new-tokens", "5",
+                 "--device", "strict"]) == 0
+    assert main(["train", "gpt", "--out", str(tmp_path / "run"), "--resume", "--steps", "4",
+                 "--quiet", "--device", "strict"]) == 0
+    assert npf.load(tmp_path / "run" / "ckpt.safetensors").device == "cpu"

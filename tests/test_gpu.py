@@ -1,0 +1,129 @@
+"""The library on a real GPU through CuPy: ``pytest -m gpu``. Skipped cleanly without
+CuPy or without a GPU (CI has neither).
+
+Each model family trains two steps in float64 on the GPU and on the host from the same
+weights. The two runs compute the same function with different summation orders
+(cuBLAS and CuPy's reductions against OpenBLAS and NumPy's pairwise sums), so they agree
+to rounding: losses and gradient norms to RTOL, parameters to RTOL_P after two AdamW
+steps. In float32 the GPU's loss must lie within RTOL_F32 of the float64 host loss.
+``generate`` must give the same tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npformer as npf
+from npformer.module import to_device, to_host
+from npformer.optim import AdamW, train_step
+from npformer.seq2seq import beam_search, seq2seq_objective
+from npformer.train import masked_lm_objective, next_token_objective, reconstruction_objective
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install -e '.[gpu]')")
+try:
+    _N_GPU = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # CUDA's runtime raises when there is no driver
+    _N_GPU = 0
+if _N_GPU == 0:
+    pytest.skip("no GPU", allow_module_level=True)
+
+RTOL, RTOL_P, RTOL_F32 = 1e-10, 1e-8, 1e-4
+ATOL_P = 1e-10  # parameters whose true gradient is 0 (a key bias) hold rounding noise
+
+
+def _ids(vocab, shape, seed=0):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def _run(model, objective, batches, device, **kw):
+    if device != "cpu":
+        model.to(device)
+    opt = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+    rng = np.random.default_rng(1)
+    out = [train_step(model, opt, lambda m, b: objective(m, b, rng, **kw), b, max_norm=0.5)
+           for b in batches]
+    return out, {n: to_host(p) for n, p, _ in model.named_parameters(include_frozen=True)}
+
+
+FAMILIES = {
+    "gpt": (lambda dt: npf.GPT(npf.GPTConfig(vocab_size=37, block_size=16, n_layer=2,
+                                             n_head=2, d_model=32, dtype=dt), seed=0),
+            next_token_objective, lambda s: _ids(37, (3, 16), s), {}),
+    "bert": (lambda dt: npf.BERT(npf.BERTConfig(vocab_size=40, block_size=16, n_layer=2,
+                                                n_head=2, d_model=32, d_ff=64, dropout=0.0,
+                                                dtype=dt), seed=0),
+             masked_lm_objective, lambda s: np.random.default_rng(s).integers(5, 39, (3, 16)),
+             {"mask_id": 39}),
+    "llama": (lambda dt: npf.Llama(npf.LlamaConfig(vocab_size=37, block_size=16, n_layer=2,
+                                                   n_head=4, n_kv_head=2, d_model=32,
+                                                   d_ff=48, dtype=dt), seed=0),
+              next_token_objective, lambda s: _ids(37, (3, 16), s), {}),
+    "experts": (lambda dt: npf.Llama(npf.LlamaConfig(vocab_size=37, block_size=16,
+                                                     n_layer=2, n_head=4, n_kv_head=2,
+                                                     d_model=32, d_ff=48, n_expert=4,
+                                                     top_k=2, dtype=dt), seed=0),
+                next_token_objective, lambda s: _ids(37, (3, 16), s), {}),
+    "encoder": (lambda dt: npf.Encoder(npf.EncoderConfig(dtype=dt), seed=0),
+                reconstruction_objective,
+                lambda s: _ids(npf.EncoderConfig().vocab_size,
+                               (3, npf.EncoderConfig().block_size), s), {}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_step_on_the_gpu_equals_the_host_in_float64(family):
+    make, objective, batch, kw = FAMILIES[family]
+    batches = [batch(s) for s in range(2)]
+    (host, p0), (gpu, p1) = (_run(make("float64"), objective, batches, d, **kw)
+                             for d in ("cpu", "cuda"))
+    np.testing.assert_allclose(np.array(gpu), np.array(host), rtol=RTOL)
+    for name in p0:
+        np.testing.assert_allclose(p1[name], p0[name], rtol=RTOL_P, atol=ATOL_P, err_msg=name)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_float32_on_the_gpu_is_near_the_float64_host_loss(family):
+    make, objective, batch, kw = FAMILIES[family]
+    (host, _), (gpu, _) = (_run(make(dt), objective, [batch(0)], d, **kw)
+                           for dt, d in (("float64", "cpu"), ("float32", "cuda")))
+    assert abs(gpu[0][0] - host[0][0]) <= RTOL_F32 * abs(host[0][0])
+
+
+def test_generate_on_the_gpu_gives_the_host_tokens():
+    make = FAMILIES["gpt"][0]
+    prompt = _ids(37, (2, 4))
+    want = npf.generate(make("float64"), prompt, 8, seed=3)
+    got = npf.generate(make("float64").to("cuda"), prompt, 8, seed=3)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_transformer_and_beam_search_on_the_gpu():
+    cfg = npf.TransformerConfig(src_vocab_size=13, tgt_vocab_size=13, block_size=10,
+                                n_layer=2, n_head=2, d_model=32, d_ff=48, dropout=0.0,
+                                dtype="float64")
+    rng = np.random.default_rng(0)
+    records = np.concatenate([rng.integers(3, 13, (3, 10)), np.full((3, 1), 1),
+                              rng.integers(3, 13, (3, 5)), np.full((3, 1), 2)], axis=1)
+    (host, _), (gpu, _) = (_run(npf.Transformer(cfg, seed=0), seq2seq_objective, [records],
+                                d) for d in ("cpu", "cuda"))
+    np.testing.assert_allclose(np.array(gpu), np.array(host), rtol=RTOL)
+    src = rng.integers(3, 13, (2, 7))
+    ids0, _ = beam_search(npf.Transformer(cfg, seed=0), src, beam_size=3, max_new_tokens=6)
+    ids1, _ = beam_search(npf.Transformer(cfg, seed=0).to("cuda"), src, beam_size=3,
+                          max_new_tokens=6)
+    np.testing.assert_array_equal(ids1, ids0)
+
+
+def test_save_from_the_gpu_writes_the_host_file(tmp_path):
+    make = FAMILIES["gpt"][0]
+    npf.save(make("float32"), tmp_path / "cpu.safetensors")
+    npf.save(make("float32").to("cuda"), tmp_path / "gpu.safetensors")
+    import safetensors.numpy
+    a = safetensors.numpy.load_file(tmp_path / "cpu.safetensors")
+    b = safetensors.numpy.load_file(tmp_path / "gpu.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    model = npf.load(tmp_path / "gpu.safetensors", device="cuda")
+    assert model.device == "cuda"
+    assert isinstance(next(model.named_parameters())[1], cupy.ndarray)
+    assert to_device(np.ones(2), "cuda").__class__ is cupy.ndarray
