@@ -31,3 +31,18 @@ def test_bench_quick(tmp_path):
         assert r["first_loss"]["npformer"] == pytest.approx(r["first_loss"]["torch"], rel=1e-4)
     assert res["kv_cache"]["new_tokens"] == 256
     assert res["kv_cache"]["speedup"] > 0  # a measurement, not a target: no timing assertions
+
+
+def test_gpu_bench_runs_on_the_cpu(tmp_path):
+    """bench/gpu.py's CPU mode runs the same code as on a GPU but CuPy's: the twins agree
+    on the first loss (the script checks it) and the JSON has every field."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu",
+                           "--quick", "--repeats", "1", "--warmup", "0", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["machine"]["device"] == "cpu"
+    for name, r in res["runs"]["fp32"].items():
+        assert r["ratio"] > 0 and r["host_reads_per_step"] == 0, name
+        assert set(r["profile_ms"]) >= {"forward", "loss", "backward", "clip", "optimiser"}
