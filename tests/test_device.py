@@ -1,12 +1,11 @@
 """The training path on a device, without a GPU: every model family's step, ``generate``
-and ``beam_search`` run on the strict array of ``strict_array.py`` (CuPy's rules: no
+and ``beam_search`` run on the strict array of ``npformer.strict`` (book/gpu.md; CuPy's rules: no
 implicit host conversion, no mixing with host arrays), equal the NumPy run, and read
 the host at most twice per training step (the loss and the gradient norm)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from strict_array import Strict, register, strict
 
 import npformer as npf
 from npformer.module import (
@@ -19,6 +18,7 @@ from npformer.module import (
     to_host,
 )
 from npformer.optim import AdamW, train_step
+from npformer.strict import Strict, register, strict
 from npformer.train import masked_lm_objective, next_token_objective
 
 register()
