@@ -11,6 +11,11 @@
    shared check_* vocabulary, so the listings show the maths.
 4. No exported cell's label ("→ npformer/....py") is left at the foot of a page, away
    from the code it names.
+5. No printed listing is longer than MAX_LISTING_LINES lines: a code cell the PDF
+   prints, or a literal code block of a chapter's text. A page of the PDF holds about
+   68 lines of its 8-pt code, so a listing within the limit fits one printed page with
+   the text that introduces it; a longer one keeps its maths in a visible cell and moves
+   the plumbing (input checks, the cached inference path, imports) to a folded one.
 
 Usage: python scripts/check_pdf.py [_build/latex/transformers-by-hand.pdf [chapter.md ...]]
 (the chapters default to those of _toc.yml). Needs pdftotext (poppler-utils) and jupytext.
@@ -28,6 +33,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_RAISE = 40
+MAX_LISTING_LINES = 60
+# Fenced blocks of a chapter's text that print as code listings (directives such as
+# graphviz, math or table print as something else).
+LITERAL = re.compile(r"^$|^[\w+-]+$|^\{(?:code-block|code|sourcecode)\}")
 WRAP_MARK = "˓→"
 # pdftotext's typographic forms of what the code wrote in ASCII.
 TYPOGRAPHIC = str.maketrans({"’": "'", "‘": "'", "“": '"', "”": '"', "−": "-"})
@@ -48,18 +57,41 @@ def chapters() -> list[Path]:
     return [ROOT / f"{f}.md" for f in files]
 
 
-def code_cells(path: Path) -> tuple[list[str], int]:
-    """The lines of the code cells that the PDF prints, and the number it folds."""
-    lines, folded = [], 0
+def fenced_blocks(markdown: str) -> list[tuple[str, list[str]]]:
+    """The (info string, lines) of each fenced block of a markdown cell."""
+    blocks, lines, i = [], markdown.splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"\s*(`{3,}|~{3,})(.*)$", lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, j = m.group(1), i + 1
+        close = re.compile(rf"\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+        while j < len(lines) and not close.match(lines[j]):
+            j += 1
+        blocks.append((m.group(2).strip(), lines[i + 1:j]))
+        i = j + 1
+    return blocks
+
+
+def code_cells(path: Path) -> tuple[list[str], int, list[tuple[int, str]]]:
+    """The lines of the code cells that the PDF prints, the number it folds, and the
+    length and first line of each printed listing (code cells and literal blocks)."""
+    lines, folded, listings = [], 0, []
     for cell in jupytext.read(path).cells:
         tags = set(cell.metadata.get("tags", []))
+        if cell.cell_type == "markdown":
+            listings += [(len(block), block[0] if block else "")
+                         for info, block in fenced_blocks(cell.source) if LITERAL.match(info)]
         if cell.cell_type != "code" or {"remove-input", "remove-cell"} & tags:
             continue
         if FOLDED & tags:
             folded += bool(cell.source.strip())
         else:
-            lines += cell.source.splitlines()
-    return lines, folded
+            source = cell.source.splitlines()
+            lines += source
+            listings.append((len(source), source[0] if source else ""))
+    return lines, folded, listings
 
 
 def main(argv: list[str]) -> int:
@@ -80,10 +112,15 @@ def main(argv: list[str]) -> int:
                for line in lines[-3:]):
             failures.append(f"p. {number}: a module label is the last line of the page")
     flat = squeeze(text)
-    raises = folded = 0
+    raises = folded = longest = 0
     for path in [Path(p).resolve() for p in argv[1:]] or chapters():
-        lines, n_folded = code_cells(path)
+        lines, n_folded, listings = code_cells(path)
         folded += n_folded
+        for n_lines, first in listings:
+            longest = max(longest, n_lines)
+            if n_lines > MAX_LISTING_LINES:
+                failures.append(f"{path.name}: a printed listing of {n_lines} lines (at most "
+                                f"{MAX_LISTING_LINES}; fold its plumbing): {first.strip()[:60]!r}")
         for line in lines:
             raises += bool(re.match(r"\s*raise\b", line))
             want = squeeze(line)
@@ -100,7 +137,8 @@ def main(argv: list[str]) -> int:
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
     print(f"{pdf.name}: {text.count(chr(12))} pages, {raises} printed raise lines, "
-          f"{folded} folded listings, {len(failures)} problems")
+          f"{folded} folded listings, longest printed listing {longest} lines, "
+          f"{len(failures)} problems")
     return 1 if failures else 0
 
 

@@ -58,3 +58,36 @@ def test_failure_report_names_the_book_line():
     loc = next(s for s in reversed(locations) if "module.py" in s).split(" is written in ")[1]
     path, line = loc.split(":")
     assert "raise ValueError" in (ROOT / path).read_text().splitlines()[int(line) - 1]
+
+
+def _check_pdf():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import check_pdf
+
+    return check_pdf
+
+
+def test_no_printed_listing_is_longer_than_the_limit():
+    """The PDF prints every code cell that is not folded: each fits about one page."""
+    check_pdf = _check_pdf()
+    long = [(chapter.name, n, first.strip()) for chapter in check_pdf.chapters()
+            for n, first in check_pdf.code_cells(chapter)[2] if n > check_pdf.MAX_LISTING_LINES]
+    assert long == []
+
+
+def test_listing_lengths_count_printed_cells_and_code_blocks_but_not_folded_cells(tmp_path):
+    check_pdf = _check_pdf()
+    fence = "`" * 3
+    body = "\n".join(f"x{i} = {i}" for i in range(7))
+    text = (f"---\nkernelspec:\n  display_name: Python 3\n"
+            f"  language: python\n  name: python3\n---\n\n# A chapter\n\n"
+            f"{fence}{{code-cell}} ipython3\n{body}\n{fence}\n\n"
+            f"{fence}{{code-cell}} ipython3\n:tags: [hide-input]\n\n{body}\n{body}\n{fence}\n\n"
+            f"{fence}python\n{body}\n{body}\n{body}\n{fence}\n\n"
+            f"{fence}{{graphviz}}\ndigraph g {{\n{body}\n{body}\n{body}\n{body}\n}}\n{fence}\n")
+    chapter = tmp_path / "chapter.md"
+    chapter.write_text(text, encoding="utf-8")
+    lines, folded, listings = check_pdf.code_cells(chapter)
+    assert folded == 1  # the hide-input cell is not printed
+    assert sorted(n for n, _ in listings) == [7, 21]  # the printed cell and the python block
+    assert len(lines) == 7
