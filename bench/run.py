@@ -25,8 +25,9 @@ np.matmul, best of several); the peak traced memory of a fresh npformer model + 
 one step (tracemalloc traces numpy's allocations) beside the estimate of
 ``npformer.perf.formula_memory``. Last, tokens/s of npf.generate for 256 new tokens with
 and without the KV cache. The JSON also records the machine, the date of the run and
-the load average before and after it, and, after the timing, a profile of a few steps of each side: npformer's functions by
-self time (cProfile) and torch's aten operators by self CPU time (torch.profiler).
+the load average before and after it, and, after the timing, a profile of a few steps
+of each side: npformer's functions by self time (cProfile) and torch's aten operators by
+self CPU time (torch.profiler).
 """
 
 from __future__ import annotations
