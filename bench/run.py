@@ -17,15 +17,17 @@ side is a correctness check: the losses must agree to rtol 1e-4 and the pre-clip
 gradient norms to rtol 1e-3, or the script stops. Dropout is 0 on both sides, so that
 the two computations are the same function.
 
-Reported per configuration: the median step times and their ratio npformer / torch;
+Reported per configuration: the median step times and their ratio npformer / torch, with
+the range of the paired ratios over the repeats;
 FLOPs per step (``npformer.perf.train_flops``, derived in book/performance.md); achieved
 GFLOP/s; MFU against the float32 matmul peak measured at the start (a 2048 x 2048
 np.matmul, best of several); the peak traced memory of a fresh npformer model + AdamW +
 one step (tracemalloc traces numpy's allocations) beside the estimate of
 ``npformer.perf.formula_memory``. Last, tokens/s of npf.generate for 256 new tokens with
-and without the KV cache. The JSON also records the machine and the date of the run,
-and, after the timing, a profile of a few steps of each side: npformer's functions by
-self time (cProfile) and torch's aten operators by self CPU time (torch.profiler).
+and without the KV cache. The JSON also records the machine, the date of the run and
+the load average before and after it, and, after the timing, a profile of a few steps
+of each side: npformer's functions by self time (cProfile) and torch's aten operators by
+self CPU time (torch.profiler).
 """
 
 from __future__ import annotations
@@ -415,6 +417,9 @@ def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
         "torch_mfu": flops["total"] / (t_ms / 1e3) / 1e9 / peak_gflops,
         "npformer_ms_min": 1e3 * min(t_np),
         "torch_ms_min": 1e3 * min(t_t),
+        # the spread of the paired ratios: each npformer step over the torch step after it
+        "ratio_range": [min(a / b for a, b in zip(t_np, t_t)),
+                        max(a / b for a, b in zip(t_np, t_t))],
         "repeats": repeats,
         "warmup": warmup,
         "n_params": case.shape.n_params,
@@ -591,7 +596,8 @@ def main(argv: list[str] | None = None) -> dict:
     twins = build_torch(torch)
 
     res: dict = {"machine": machine_info(args.threads, torch),
-                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "load_before": os.getloadavg()[0]}  # other work on the machine, 1 min
     res["matmul_peak_gflops"] = matmul_peak(repeats=3 if args.quick else 7)
     res["configs"] = {}
     for key, case in make_cases(torch, twins).items():
@@ -609,6 +615,7 @@ def main(argv: list[str] | None = None) -> dict:
                            check=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
             res["ddp"] = json.loads(out.read_text())
     res["quick"] = bool(args.quick)
+    res["load_after"] = os.getloadavg()[0]
     res["runtime_s"] = time.perf_counter() - start
     print_table(res)
     if args.json is not None:

@@ -29,6 +29,9 @@ def test_bench_quick(tmp_path):
         for field in FIELDS:
             assert r[field] > 0, (key, field)
         assert r["first_loss"]["npformer"] == pytest.approx(r["first_loss"]["torch"], rel=1e-4)
+        low, high = r["ratio_range"]  # the paired ratios' spread over the repeats
+        assert 0 < low <= high
+    assert res["load_before"] >= 0 and res["load_after"] >= 0
     assert res["kv_cache"]["new_tokens"] == 256
     assert res["kv_cache"]["speedup"] > 0  # a measurement, not a target: no timing assertions
 
