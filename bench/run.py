@@ -18,7 +18,9 @@ gradient norms to rtol 1e-3, or the script stops. Dropout is 0 on both sides, so
 the two computations are the same function.
 
 Reported per configuration: the median step times and their ratio npformer / torch, with
-the range of the paired ratios over the repeats;
+the range of the paired ratios over the repeats, for the book's NumPy listings and (where
+Numba is installed, under "fused") for the fused kernels of book/kernels.md, timed
+interleaved with the other two;
 FLOPs per step (``npformer.perf.train_flops``, derived in book/performance.md); achieved
 GFLOP/s; MFU against the float32 matmul peak measured at the start (a 2048 x 2048
 np.matmul, best of several); the peak traced memory of a fresh npformer model + AdamW +
@@ -80,6 +82,7 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 import npformer as npf  # noqa: E402
+from npformer.kernels import HAVE_NUMBA  # noqa: E402
 from npformer.losses import mse_loss, next_token_loss  # noqa: E402
 from npformer.models.bert import bert_mask_tokens  # noqa: E402
 from npformer.optim import AdamW, train_step  # noqa: E402
@@ -358,7 +361,7 @@ def traced_peak_mb(case: Case) -> float:
     gc.collect()
     tracemalloc.start()
     try:
-        model = case.make_npf()
+        model = case.make_npf().use_kernels("numpy")  # formula_memory counts the listings'
         step, _ = npf_stepper(case, model)
         step()
         return tracemalloc.get_traced_memory()[1] / MB
@@ -368,36 +371,54 @@ def traced_peak_mb(case: Case) -> float:
 
 def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
                peak_gflops: float, profile_steps: int = 0) -> dict:
-    model = case.make_npf()
+    """The listing's step ("npformer_ms"), the fused kernels' step ("fused", where Numba
+    is installed) and torch's, from the same weights, timed interleaved."""
+    model = case.make_npf().use_kernels("numpy")  # the book's NumPy listings
     tmodel = twins[key](model.config, model.pe) if key == "encoder" else twins[key](model.config)
     names = copy_weights(torch, model, tmodel)
     np_step, opt = npf_stepper(case, model)
     t_step = torch_stepper(torch, case, tmodel, names, opt.decay)
+    steps = {"npformer": np_step, "torch": t_step}
+    if HAVE_NUMBA:  # the same model with the fused kernels (book/kernels.md)
+        steps["fused"] = npf_stepper(case, case.make_npf().use_kernels("fused"))[0]
 
-    loss_np, norm_np = np_step()  # the first steps: the correctness check
-    loss_t, norm_t = t_step()
-    if not math.isclose(loss_np, loss_t, rel_tol=1e-4):
-        raise SystemExit(f"{key}: losses differ: npformer {loss_np!r}, torch {loss_t!r}")
-    if not math.isclose(norm_np, norm_t, rel_tol=1e-3):
-        raise SystemExit(f"{key}: gradient norms differ: npformer {norm_np!r}, torch {norm_t!r}")
+    first = {side: step() for side, step in steps.items()}  # the correctness check
+    loss_t, norm_t = first["torch"]
+    for side in set(steps) - {"torch"}:
+        loss_np, norm_np = first[side]
+        if not math.isclose(loss_np, loss_t, rel_tol=1e-4):
+            raise SystemExit(f"{key}: losses differ: {side} {loss_np!r}, torch {loss_t!r}")
+        if not math.isclose(norm_np, norm_t, rel_tol=1e-3):
+            raise SystemExit(f"{key}: gradient norms differ: {side} {norm_np!r}, "
+                             f"torch {norm_t!r}")
+    loss_np, norm_np = first["npformer"]
 
     for _ in range(warmup):
-        np_step()
-        t_step()
+        for step in steps.values():
+            step()
     gc.collect()
-    t_np, t_t = [], []
-    for _ in range(repeats):  # interleaved: A B A B ...
-        t0 = time.perf_counter()
-        np_step()
-        t1 = time.perf_counter()
-        t_step()
-        t2 = time.perf_counter()
-        t_np.append(t1 - t0)
-        t_t.append(t2 - t1)
+    times = {side: [] for side in steps}
+    for _ in range(repeats):  # interleaved: A B C A B C ...
+        for side, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[side].append(time.perf_counter() - t0)
+    t_np, t_t = times["npformer"], times["torch"]
     np_ms, t_ms = 1e3 * statistics.median(t_np), 1e3 * statistics.median(t_t)
     profiles = {"steps": profile_steps,
                 "npformer": profile_npformer(np_step, profile_steps),
                 "torch": profile_torch(torch, t_step, profile_steps)} if profile_steps else None
+    fused = None
+    if "fused" in steps:
+        t_f = times["fused"]
+        f_ms = 1e3 * statistics.median(t_f)
+        fused = {"npformer_ms": f_ms, "ratio_vs_torch": f_ms / t_ms,
+                 "ratio_range": [min(a / b for a, b in zip(t_f, t_t)),
+                                 max(a / b for a, b in zip(t_f, t_t))],
+                 "speedup_over_listing": np_ms / f_ms,
+                 "first_loss": first["fused"][0], "first_grad_norm": first["fused"][1],
+                 "profile": profile_npformer(steps["fused"], profile_steps)
+                 if profile_steps else None}
     flops = train_flops(case.shape)
     achieved = flops["total"] / (np_ms / 1e3) / 1e9
     mem = formula_memory(case.shape)
@@ -427,6 +448,7 @@ def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
         "first_loss": {"npformer": loss_np, "torch": loss_t},
         "first_grad_norm": {"npformer": norm_np, "torch": norm_t},
         "profile": profiles,
+        "fused": fused,
     }
 
 
@@ -549,14 +571,17 @@ def machine_info(threads: int, torch) -> dict:
 def print_table(res: dict) -> None:
     print(f"\nfloat32 matmul peak: {res['matmul_peak_gflops']:.1f} GFLOP/s "
           f"({res['machine']['threads']} threads)")
-    head = (f"{'config':<10} {'npf ms':>9} {'torch ms':>9} {'ratio':>6} {'GFLOP':>7} "
-            f"{'GFLOP/s':>8} {'MFU':>6} {'peak MB':>8} {'formula':>8}")
+    head = (f"{'config':<10} {'npf ms':>9} {'torch ms':>9} {'ratio':>6} {'fused ms':>9} "
+            f"{'ratio':>6} {'GFLOP':>7} {'GFLOP/s':>8} {'MFU':>6} {'peak MB':>8} {'formula':>8}")
     print(head)
     print("-" * len(head))
     for key, r in res["configs"].items():
+        f = r.get("fused")
+        fused = f"{f['npformer_ms']:9.2f} {f['ratio_vs_torch']:6.2f}" if f else f"{'-':>16}"
         print(f"{key:<10} {r['npformer_ms']:9.2f} {r['torch_ms']:9.2f} "
-              f"{r['ratio_vs_torch']:6.2f} {r['gflop_per_step']:7.3f} {r['gflops']:8.1f} "
-              f"{100 * r['mfu']:5.1f}% {r['peak_mem_mb']:8.1f} {r['formula_mem_mb']:8.1f}")
+              f"{r['ratio_vs_torch']:6.2f} {fused} {r['gflop_per_step']:7.3f} "
+              f"{r['gflops']:8.1f} {100 * r['mfu']:5.1f}% {r['peak_mem_mb']:8.1f} "
+              f"{r['formula_mem_mb']:8.1f}")
     kv = res["kv_cache"]
     print(f"\nKV cache, {kv['new_tokens']} new tokens: {kv['tokens_per_s_cache']:.0f} tok/s "
           f"with, {kv['tokens_per_s_no_cache']:.0f} tok/s without, "

@@ -50,7 +50,7 @@ if ! command -v dot >/dev/null 2>&1; then
     exit 1
 fi
 
-bash scripts/setup.sh "${NPFORMER_EXTRAS:-book,dev,mpi}"
+bash scripts/setup.sh "${NPFORMER_EXTRAS:-book,dev,mpi,fast}"
 source .venv/bin/activate
 # One BLAS thread: the training cells then reproduce the committed logs of the full
 # runs step for step, and a busy machine cannot oversubscribe its cores.

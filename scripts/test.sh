@@ -3,6 +3,6 @@
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -k softmax`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh "${NPFORMER_EXTRAS:-dev,mpi}"
+bash scripts/setup.sh "${NPFORMER_EXTRAS:-dev,mpi,fast}"
 source .venv/bin/activate
 python tangle.py && pytest "$@"

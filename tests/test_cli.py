@@ -294,7 +294,7 @@ def test_a_second_run_on_a_busy_folder_fails_at_once_naming_the_holder(corpus, t
     then the first is killed with SIGKILL and its lock does not block the next run."""
     out = tmp_path / "run"
     base = [sys.executable, "-m", "npformer", "train", "gpt", "--out", str(out), "--quiet"]
-    fresh = [*base, "--data", str(corpus), *TINY]
+    fresh = [*base, "--data", str(corpus), *TINY, "--warmup-steps", "2"]  # resumable anywhere
     first = subprocess.Popen([*fresh, "--steps", "100000"], stderr=subprocess.PIPE)
     try:
         for _ in range(600):  # until the first run holds the folder and has a checkpoint

@@ -175,7 +175,7 @@ def test_formula_memory_is_within_the_target_factor_of_the_traced_peak():
     gc.collect()
     tracemalloc.start()
     try:
-        model = npf.GPT(cfg, seed=0)
+        model = npf.GPT(cfg, seed=0, kernels="numpy")  # the formula counts the listings'
         opt = AdamW(model.named_parameters(), lr=1e-3)
         opt.zero_grad()
         _, dlogits = next_token_loss(model.forward(ids), ids)
