@@ -372,7 +372,8 @@ def traced_peak_mb(case: Case) -> float:
 def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
                peak_gflops: float, profile_steps: int = 0) -> dict:
     """The listing's step ("npformer_ms"), the fused kernels' step ("fused", where Numba
-    is installed) and torch's, from the same weights, timed interleaved."""
+    is installed) and torch's, from the same weights, timed interleaved. The paired ratios
+    pair each repeat's steps."""
     model = case.make_npf().use_kernels("numpy")  # the book's NumPy listings
     tmodel = twins[key](model.config, model.pe) if key == "encoder" else twins[key](model.config)
     names = copy_weights(torch, model, tmodel)
@@ -398,10 +399,11 @@ def bench_case(torch, twins, key: str, case: Case, warmup: int, repeats: int,
             step()
     gc.collect()
     times = {side: [] for side in steps}
-    for _ in range(repeats):  # interleaved: A B C A B C ...
-        for side, step in steps.items():
-            t0 = time.perf_counter()
-            step()
+    order = list(steps.items())
+    for k in range(repeats):  # interleaved, in a rotating order: A B C, B C A, C A B, ...
+        for side, step in order[k % len(order):] + order[:k % len(order)]:
+            t0 = time.perf_counter()  # (each side follows torch, whose idle OpenMP
+            step()  # threads spin for a while, equally often)
             times[side].append(time.perf_counter() - t0)
     t_np, t_t = times["npformer"], times["torch"]
     np_ms, t_ms = 1e3 * statistics.median(t_np), 1e3 * statistics.median(t_t)

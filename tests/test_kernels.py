@@ -232,3 +232,41 @@ def test_cuda_source_compiles(tmp_path, ctype):
     ptx = (tmp_path / "out.ptx").read_text()
     for name in kernels.CPU_KERNELS:
         assert f".entry {name}(" in ptx, name
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_fused_attention_matches_the_listing_with_every_mask(dtype):
+    from npformer.attention import attention_backward, causal_mask, scaled_dot_product_attention
+
+    rng = np.random.default_rng(9)
+    q, k, v, dout = (rng.standard_normal((2, 3, 12, 8)) for _ in range(4))
+    pad = np.ones((2, 1, 1, 12), dtype=bool)
+    pad[1, ..., 4:] = False
+    window = causal_mask(12) & ~np.tri(12, 12, -4, dtype=bool)  # the last 4 keys only
+    no_keys = np.ones((2, 3, 12, 12), dtype=bool)
+    no_keys[0, 1, 5] = False  # one query that may attend to nothing
+    for mask in (None, causal_mask(12), causal_mask(12) & pad, window, no_keys):
+        truth = scaled_dot_product_attention(q, k, v, mask)
+        truth = [truth[0], *attention_backward(dout, truth[1])]
+        args = [a.astype(dtype) for a in (q, k, v)]
+        listing = scaled_dot_product_attention(*args, mask)
+        listing = [listing[0], *attention_backward(dout.astype(dtype), listing[1])]
+        fused = kernels.fused_attention(*args, mask)
+        fused = [fused[0], *kernels.fused_attention_backward(dout.astype(dtype), fused[1])]
+        for f, li, t in zip(fused, listing, truth):
+            assert f.dtype == np.dtype(dtype)
+            if dtype == "float64":
+                np.testing.assert_allclose(f, t, rtol=RTOL64, atol=1e-13)
+            else:
+                bound = FLOAT32_FACTOR * np.abs(li - t).max() + 2 * EPS32 * np.abs(t).max()
+                assert np.abs(f - t).max() <= bound
+        if mask is not None and not mask.any(axis=-1).all():
+            assert not fused[0][0, 1, 5].any()  # the query with no key gets zeros
+
+
+def test_attention_layers_get_their_fused_twins():
+    config, _ = _tiny("llama")
+    llama = npf.Llama(config, seed=0, kernels="fused")
+    assert all(type(b.attn).__name__ == "FusedGroupedQueryAttention" for b in llama.h)
+    gpt = npf.GPT(_tiny("gpt")[0], seed=0, kernels="fused")
+    assert all(isinstance(b.attn, kernels.FusedMultiHeadAttention) for b in gpt.h)
