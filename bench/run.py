@@ -290,7 +290,8 @@ def make_cases(torch, twins) -> dict[str, Case]:
     y_t = torch.from_numpy(targets[positions])
 
     def bert_np(model, _batch) -> tuple[float, np.ndarray]:
-        return cross_entropy(model.forward_mlm(inputs, positions), targets[positions])
+        return cross_entropy(model.forward_mlm(inputs, positions), targets[positions],
+                             kernels=model.kernels)
 
     cases["mini_bert"] = Case(
         shape_of(npf.BERT(bc), *rows.shape, head_rows=int(positions.sum()), name="mini_bert"),
@@ -303,7 +304,7 @@ def make_cases(torch, twins) -> dict[str, Case]:
     ids_g_t = torch.from_numpy(ids_g)
 
     def gpt_np(model, _batch) -> tuple[float, np.ndarray]:
-        return next_token_loss(model.forward(ids_g), ids_g)
+        return next_token_loss(model.forward(ids_g), ids_g, kernels=model.kernels)
 
     cases["gpt_baby"] = Case(
         shape_of(npf.GPT(gc_), *ids_g.shape, name="gpt_baby"),

@@ -270,3 +270,34 @@ def test_attention_layers_get_their_fused_twins():
     assert all(type(b.attn).__name__ == "FusedGroupedQueryAttention" for b in llama.h)
     gpt = npf.GPT(_tiny("gpt")[0], seed=0, kernels="fused")
     assert all(isinstance(b.attn, kernels.FusedMultiHeadAttention) for b in gpt.h)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_fused_cross_entropy_matches_the_listing(dtype):
+    from npformer.softmax import cross_entropy
+
+    rng = np.random.default_rng(10)
+    logits = rng.standard_normal((3, 7, 50)) * 5
+    logits[0, 0, 3] = 80.0  # one near-certain prediction
+    targets = rng.integers(0, 50, (3, 7))
+    for mask in (None, rng.random((3, 7)) < 0.5):
+        loss_t, grad_t = cross_entropy(logits, targets, mask)
+        loss_l, grad_l = cross_entropy(logits.astype(dtype), targets, mask)
+        loss_f, grad_f = cross_entropy(logits.astype(dtype), targets, mask, kernels="fused")
+        assert grad_f.dtype == np.dtype(dtype) and grad_f.shape == logits.shape
+        if mask is not None:
+            assert not grad_f[~mask].any()  # unscored positions get no gradient
+        if dtype == "float64":
+            assert loss_f == pytest.approx(loss_t, rel=1e-13)
+            np.testing.assert_allclose(grad_f, grad_t, rtol=RTOL64, atol=1e-15)
+        else:
+            assert abs(loss_f - loss_t) <= FLOAT32_FACTOR * abs(loss_l - loss_t) + 4 * EPS32
+            bound = FLOAT32_FACTOR * np.abs(grad_l - grad_t).max() + 2 * EPS32 * grad_t.max()
+            assert np.abs(grad_f - grad_t).max() <= bound
+
+
+def test_bad_kernels_name_in_a_loss_is_named():
+    from npformer.softmax import cross_entropy
+
+    with pytest.raises(ValueError, match="kernels"):
+        cross_entropy(np.zeros((2, 3)), [0, 1], kernels="cuda")
