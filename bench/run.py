@@ -548,16 +548,37 @@ def bench_kv_cache(new_tokens: int, repeats: int, prompt_len: int = 16) -> dict:
     }
 
 
+def _numba_version() -> str | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba.__version__
+
+
+def _cpu_model() -> str:
+    """The processor's name (Intel or AMD, and which), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info(threads: int, torch) -> dict:
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__,
         "threads": threads,
         "torch_threads": torch.get_num_threads(),
+        "numba": _numba_version(),
         "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                                                "MKL_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT")},
     }
