@@ -1,5 +1,6 @@
-"""One GPT training step on one GPU: npformer's NumPy listings through CuPy, against
-PyTorch eager on the same weights and the same batch.
+"""One GPT training step on one GPU: npformer's NumPy listings through CuPy, and its
+fused CUDA kernels (book/kernels.md), against PyTorch eager on the same weights and the
+same batch.
 
     PYTHONPATH=src python3 bench/gpu.py --json bench/gpu_results.json   # a GPU machine
     .venv/bin/python bench/gpu.py --device cpu --quick                  # a smoke run
@@ -17,6 +18,7 @@ Precisions: "fp32" (TF32 off on both sides) and "tf32" (CuPy's CUPY_TF32=1, read
 CuPy loads, so each precision runs in a process of its own; torch's allow_tf32). The
 first step of each side is a check: the two losses must agree to 1e-3 relatively.
 
+The three sides (listing, fused, torch) are timed interleaved, in a rotating order.
 Reported per model and precision: the median ms/step over the repeats (every step ends
 with a synchronisation of the device), tokens/s, the fraction of the matrix-product peak
 measured at the start (a (B T) x d x 4d product in that precision), npformer's peak
@@ -29,6 +31,7 @@ the date.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -157,7 +160,7 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
     cfg = npf.GPTConfig(**fields, dropout=0.0)
     T = cfg.block_size
     ids_host = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
-    model = npf.GPT(cfg, seed=0)
+    model = npf.GPT(cfg, seed=0, kernels="numpy")  # the book's listings
     twin = torch_gpt(torch, cfg)
     pairs = copy_weights(torch, model, twin)
     tdev = "cuda" if device == "cuda" else "cpu"
@@ -175,9 +178,13 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
     model.to(device)
     opt = AdamW(model.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     ids = M.to_device(ids_host, device)
+    kernels = importlib.util.find_spec("numba") is not None or device == "cuda"
+    if kernels:  # the same model with the fused kernels (book/kernels.md)
+        model_f = npf.GPT(cfg, seed=0, kernels="fused").to(device)
+        opt_f = AdamW(model_f.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD)
 
     def objective(m, batch):
-        return next_token_loss(m.forward(batch), batch)
+        return next_token_loss(m.forward(batch), batch, kernels=m.kernels)
 
     reads = [0]
     dev = M.get_device(device)
@@ -190,6 +197,11 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
         _sync(device)
         return loss
 
+    def fused_step() -> float:
+        loss, _ = train_step(model_f, opt_f, objective, ids, max_norm=CLIP)
+        _sync(device)
+        return loss
+
     def torch_step() -> float:
         t_opt.zero_grad(set_to_none=True)
         loss = twin.loss(t_ids)
@@ -199,25 +211,33 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
         _torch_sync(torch, tdev)
         return loss
 
-    l_npf, l_torch = npf_step(), float(torch_step())
-    if abs(l_npf - l_torch) > 1e-3 * abs(l_torch):
-        raise SystemExit(f"{name} {precision}: first losses differ: npformer {l_npf:.6f}, "
-                         f"torch {l_torch:.6f}")
+    sides = {"npformer": npf_step, "torch": torch_step}
+    if kernels:
+        sides["fused"] = fused_step
+    first = {side: float(step()) for side, step in sides.items()}
+    for side in set(sides) - {"torch"}:
+        if abs(first[side] - first["torch"]) > 1e-3 * abs(first["torch"]):
+            raise SystemExit(f"{name} {precision}: first losses differ: {side} "
+                             f"{first[side]:.6f}, torch {first['torch']:.6f}")
     for _ in range(warmup):
-        npf_step()
-        torch_step()
+        for step in sides.values():
+            step()
     if device == "cuda":
         import cupy
         cupy.get_default_memory_pool().free_all_blocks()
         torch.cuda.reset_peak_memory_stats()
-    times = {"npformer": [], "torch": []}
+    times = {side: [] for side in sides}
     reads[0] = 0
-    for _ in range(repeats):  # interleaved: both sides see the same state of the machine
-        for side, step in (("npformer", npf_step), ("torch", torch_step)):
+    read_counts = dict.fromkeys(sides, 0)
+    order = list(sides.items())
+    for k in range(repeats):  # interleaved in a rotating order: the same machine for all
+        for side, step in order[k % len(order):] + order[:k % len(order)]:
+            before = reads[0]
             t0 = time.perf_counter()
             step()
             times[side].append(time.perf_counter() - t0)
-    reads_per_step = reads[0] / repeats
+            read_counts[side] += reads[0] - before
+    reads_per_step = read_counts["npformer"] / repeats
     M.register_device(device, counted.array_type, to=counted.to, to_host=dev.to_host)
 
     profile = {}  # one npformer step by phase, each between synchronisations
@@ -246,6 +266,9 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
                                                       1e3 * max(times[side])],
                      "tokens_per_s": B * T / (ms / 1e3), "mfu": flops / (ms / 1e3) / peak}
     row["ratio"] = row["npformer"]["ms_per_step"] / row["torch"]["ms_per_step"]
+    if kernels:
+        row["fused"]["host_reads_per_step"] = read_counts["fused"] / repeats
+        row["fused_ratio"] = row["fused"]["ms_per_step"] / row["torch"]["ms_per_step"]
     if device == "cuda":
         import cupy
         row["npformer"]["peak_memory_mb"] = cupy.get_default_memory_pool().total_bytes() / 2**20
@@ -309,8 +332,10 @@ def main() -> None:
         results["runs"][precision] = json.loads(out.stdout.strip().splitlines()[-1])
     for precision, rows in results["runs"].items():
         for name, r in rows.items():
+            fused = (f", fused {r['fused']['ms_per_step']:8.1f} ms, ratio "
+                     f"{r['fused_ratio']:.2f}" if "fused" in r else "")
             print(f"{name:16s} {precision}: npformer {r['npformer']['ms_per_step']:8.1f} ms, "
-                  f"torch {r['torch']['ms_per_step']:8.1f} ms, ratio {r['ratio']:.2f}, "
+                  f"torch {r['torch']['ms_per_step']:8.1f} ms, ratio {r['ratio']:.2f}{fused}, "
                   f"{r['host_reads_per_step']:.0f} host reads/step")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
