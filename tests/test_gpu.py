@@ -127,3 +127,98 @@ def test_save_from_the_gpu_writes_the_host_file(tmp_path):
     assert model.device == "cuda"
     assert isinstance(next(model.named_parameters())[1], cupy.ndarray)
     assert to_device(np.ones(2), "cuda").__class__ is cupy.ndarray
+
+
+# The CUDA kernels of book/kernels.md against the host's float64 listings. In float64 they
+# agree to rounding (RTOL_K); in float32 to a few float32 roundings of the result's size.
+RTOL_K = 1e-12
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def _kernel_layers():
+    from npformer.activations import GELU, SiLU, SwiGLU
+    from npformer.norm import LayerNorm, RMSNorm
+
+    return {"gelu": (lambda dt: GELU(dtype=dt), (4, 30, 64)),
+            "gelu_tanh": (lambda dt: GELU("tanh", dtype=dt), (4, 30, 64)),
+            "silu": (lambda dt: SiLU(dtype=dt), (4, 30, 64)),
+            "swiglu": (lambda dt: SwiGLU(dtype=dt), (4, 30, 128)),
+            "layernorm": (lambda dt: LayerNorm(64, dtype=dt), (4, 30, 64)),
+            "rmsnorm": (lambda dt: RMSNorm(64, dtype=dt), (4, 30, 64))}
+
+
+def _close(got, truth, dtype):
+    got = to_host(got)
+    if dtype == "float64":
+        np.testing.assert_allclose(got, truth, rtol=RTOL_K, atol=RTOL_K)
+    else:
+        assert np.abs(got - truth).max() <= 16 * EPS32 * max(1.0, np.abs(truth).max())
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", ["gelu", "gelu_tanh", "silu", "swiglu", "layernorm",
+                                  "rmsnorm"])
+def test_cuda_kernel_layer_matches_the_listing(name, dtype):
+    make, shape = _kernel_layers()[name]
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(shape) * 3
+    listing = make("float64").use_kernels("numpy")
+    y = listing.forward(x)
+    dy = rng.standard_normal(y.shape)
+    dx = listing.backward(dy)
+    layer = make(dtype).use_kernels("fused").to("cuda")
+    y_g = layer.forward(to_device(x.astype(dtype), "cuda"))
+    dx_g = layer.backward(to_device(dy.astype(dtype), "cuda"))
+    _close(y_g, y, dtype)
+    _close(dx_g, dx, dtype)
+    if dtype == "float64":  # a parameter's gradient sums 120 rows: float64 only here
+        for (_, _, g), (_, _, g_g) in zip(listing.named_parameters(),
+                                          layer.named_parameters()):
+            _close(g_g, g, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cuda_attention_and_cross_entropy_kernels_match_the_listing(dtype):
+    from npformer import kernels
+    from npformer.attention import attention_backward, causal_mask, scaled_dot_product_attention
+    from npformer.softmax import cross_entropy
+
+    rng = np.random.default_rng(13)
+    q, k, v, dout = (rng.standard_normal((2, 3, 20, 8)) for _ in range(4))
+    pad = np.ones((2, 1, 1, 20), dtype=bool)
+    pad[1, ..., 12:] = False
+    mask = causal_mask(20) & pad
+    out, cache = scaled_dot_product_attention(q, k, v, mask)
+    truth = [out, *attention_backward(dout, cache)]
+    dev = [to_device(a.astype(dtype), "cuda") for a in (q, k, v, dout)]
+    out_g, cache_g = kernels.fused_attention(*dev[:3], to_device(mask, "cuda"))
+    for got, t in zip([out_g, *kernels.fused_attention_backward(dev[3], cache_g)], truth):
+        _close(got, t, dtype)
+    logits, targets = rng.standard_normal((6, 500)) * 4, rng.integers(0, 500, 6)
+    scored = np.array([1, 1, 0, 1, 0, 1], dtype=bool)
+    loss, grad = cross_entropy(logits, targets, scored)
+    loss_g, grad_g = cross_entropy(to_device(logits.astype(dtype), "cuda"),
+                                   to_device(targets, "cuda"), to_device(scored, "cuda"),
+                                   kernels="fused")
+    assert loss_g == pytest.approx(loss, rel=RTOL_K if dtype == "float64" else 1e-5)
+    _close(grad_g, grad, dtype)
+
+
+def test_cuda_fused_adamw_matches_the_host_listing():
+    config = npf.GPTConfig(vocab_size=30, block_size=8, n_layer=1, n_head=2, d_model=16,
+                           dtype="float64")
+    params = []
+    for device, kind in (("cpu", "numpy"), ("cuda", "fused")):
+        model = npf.GPT(config, seed=3, kernels=kind)
+        if device != "cpu":
+            model.to(device)
+        opt = AdamW(model.named_parameters(), lr=1e-2, weight_decay=0.1)
+        assert opt.kernels == kind
+        grads = np.random.default_rng(4)
+        for _ in range(3):
+            for _, _, g in model.named_parameters():
+                g[...] = to_device(grads.standard_normal(g.shape), device)
+            opt.step()
+        params.append({n: to_host(p) for n, p, _ in model.named_parameters()})
+    for name, p in params[0].items():
+        np.testing.assert_allclose(params[1][name], p, rtol=RTOL_K, atol=RTOL_K, err_msg=name)
