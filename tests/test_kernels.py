@@ -112,7 +112,6 @@ def test_exp32_is_float32_exact_and_underflows_to_zero():
 def test_fused_adam_step_matches_the_listing(kind, dtype, rtol):
     config = npf.GPTConfig(vocab_size=30, block_size=8, n_layer=2, n_head=2, d_model=16,
                            dtype=dtype)
-    rng = np.random.default_rng(4)
     states = []
     for kernels_kind in ("numpy", "fused"):
         model = npf.GPT(config, seed=5, kernels=kernels_kind)
@@ -127,7 +126,6 @@ def test_fused_adam_step_matches_the_listing(kind, dtype, rtol):
             opt.step()
         states.append({n: p.copy() for n, p, _ in model.named_parameters()}
                       | {k: v.copy() for k, v in opt.state.items()})
-    del rng
     for name in states[0]:
         np.testing.assert_allclose(states[1][name], states[0][name], rtol=rtol,
                                    atol=rtol * 1e-2, err_msg=name)
