@@ -222,3 +222,25 @@ def test_cuda_fused_adamw_matches_the_host_listing():
         params.append({n: to_host(p) for n, p, _ in model.named_parameters()})
     for name, p in params[0].items():
         np.testing.assert_allclose(params[1][name], p, rtol=RTOL_K, atol=RTOL_K, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_cuda_kernels_are_non_finite_where_the_listing_is(dtype):
+    """The cases of tests/test_kernels_nonfinite.py, with the fused side on the GPU."""
+    import test_kernels_nonfinite as nf
+
+    for special in nf.SPECIALS:
+        for name in nf.LAYERS:
+            for where in ("x", "dout"):
+                listing, fused = nf.layer_case(name, dtype, special, where, device="cuda")
+                nf.assert_same_classes(fused, listing, f"{name} {dtype}, {special} in {where}")
+        for where in ("q", "k", "v", "dout"):
+            for mask in nf.MASKS:
+                listing, fused = nf.attention_case(dtype, special, where, mask, "cuda")
+                nf.assert_same_classes(fused, listing, f"attention {dtype}, {special} in "
+                                                       f"{where}, mask {mask}")
+        for where in ("target", "other"):
+            listing, fused = nf.cross_entropy_case(dtype, special, where, "cuda")
+            nf.assert_same_classes(fused, listing, f"cross-entropy {dtype}, {special} at {where}")
+        listing, fused = nf.adamw_case(dtype, special, "cuda")
+        nf.assert_same_classes(fused, listing, f"AdamW {dtype}, {special}")
