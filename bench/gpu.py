@@ -4,6 +4,7 @@ same batch.
 
     PYTHONPATH=src python3 bench/gpu.py --json bench/gpu_results.json   # a GPU machine
     .venv/bin/python bench/gpu.py --device cpu --quick                  # a smoke run
+    .venv/bin/python bench/gpu.py --device strict --quick               # CuPy's rules, no GPU
 
 Models: GPT-2 small (12 layers, 12 heads, d_model 768, vocabulary 50,304, 1,024
 positions, the book's exact GELU, dropout 0) at batch 8 x 1,024, and the book's baby GPT
@@ -27,6 +28,10 @@ npformer's host reads per step (copies device -> host through its device table) 
 profile of one step by phase (forward, loss, backward, clip, optimiser), each phase
 timed between synchronisations. The JSON names the device, the library versions and
 the date.
+
+A model that fails (an error, or first losses that differ) is recorded with its error
+and the run goes on; the exit status is then 1. With --json, the file is rewritten after
+each model, so a run stopped part-way keeps what it measured.
 """
 from __future__ import annotations
 
@@ -53,6 +58,11 @@ QUICK = {"gpt_baby": MODELS["gpt_baby"],
          "gpt_small_quick": (dict(vocab_size=512, block_size=128, n_layer=2, n_head=4,
                                   d_model=128), 4)}
 LR, BETAS, WD, CLIP = 6e-4, (0.9, 0.95), 0.1, 1.0
+
+
+def _traceback_tail(lines: int = 12) -> str:
+    import traceback
+    return "".join(traceback.format_exc().splitlines(keepends=True)[-lines:])
 
 
 def _sync(device: str) -> None:
@@ -209,7 +219,7 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
         torch.nn.utils.clip_grad_norm_(twin.parameters(), CLIP)
         t_opt.step()
         _torch_sync(torch, tdev)
-        return loss
+        return loss.detach()
 
     sides = {"npformer": npf_step, "torch": torch_step}
     if kernels:
@@ -279,11 +289,22 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
 
 
 def child(args) -> None:
-    """One precision, every model: print the rows as one JSON line."""
-    models = QUICK if args.quick else MODELS
-    rows = {name: bench_one(name, fields, B, args.device, args.precision, args.repeats,
-                            args.warmup) for name, (fields, B) in models.items()}
-    print(json.dumps(rows))
+    """One precision, every model: print each model's row as a JSON line when it is done,
+    or its error (the next model still runs)."""
+    if args.device == "strict":  # the host array with CuPy's rules (book/gpu.md)
+        from npformer.strict import register
+        register()
+    for name in args.models:
+        fields, B = {**MODELS, **QUICK}[name]
+        try:
+            row = bench_one(name, fields, B, args.device, args.precision, args.repeats,
+                            args.warmup)
+        except (Exception, SystemExit):  # recorded; the next model runs
+            row = {"error": _traceback_tail()}
+        if args.device == "cuda":
+            import cupy
+            cupy.get_default_memory_pool().free_all_blocks()
+        print(json.dumps({"model": name, "row": row}), flush=True)
 
 
 def machine(device: str) -> dict:
@@ -298,14 +319,17 @@ def machine(device: str) -> dict:
         info.update(device=props["name"].decode(), cupy=cupy.__version__,
                     cuda_runtime=cupy.cuda.runtime.runtimeGetVersion())
     else:
-        info["device"] = "cpu"
+        info["device"] = device  # cpu, or strict: the host with CuPy's rules
     return info
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu", "strict"))
     ap.add_argument("--quick", action="store_true", help="small models, few repeats")
+    ap.add_argument("--models", type=lambda s: s.split(","), default=None,
+                    help=f"comma-separated, of {', '.join({**MODELS, **QUICK})} "
+                         "(default: the first two, or the last two with --quick)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -313,33 +337,58 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats is None:
         args.repeats = 3 if args.quick else 10
+    if args.models is None:
+        args.models = list(QUICK if args.quick else MODELS)
+    unknown = [m for m in args.models if m not in {**MODELS, **QUICK}]
+    if unknown:
+        ap.error(f"--models: expected names from {sorted({**MODELS, **QUICK})}, got {unknown}")
     if args.precision is not None:  # a child process
         child(args)
         return
     results = {"machine": machine(args.device), "settings": {
         "lr": LR, "betas": BETAS, "weight_decay": WD, "clip": CLIP, "repeats": args.repeats,
-        "warmup": args.warmup, "quick": args.quick}, "runs": {}}
+        "warmup": args.warmup, "quick": args.quick, "models": args.models}, "runs": {},
+        "errors": {}}
+
+    def report(precision: str, name: str, r: dict) -> None:
+        if "error" in r:  # kept apart, so "runs" holds complete rows only
+            results["errors"].setdefault(precision, {})[name] = r["error"]
+            print(f"{name:16s} {precision}: FAILED\n{r['error']}", flush=True)
+        else:
+            results["runs"].setdefault(precision, {})[name] = r
+            fused = (f", fused {r['fused']['ms_per_step']:8.1f} ms, ratio "
+                     f"{r['fused_ratio']:.2f}" if "fused" in r else "")
+            print(f"{name:16s} {precision}: npformer {r['npformer']['ms_per_step']:8.1f} ms, "
+                  f"torch {r['torch']['ms_per_step']:8.1f} ms, ratio {r['ratio']:.2f}{fused}, "
+                  f"{r['host_reads_per_step']:.0f} host reads/step", flush=True)
+        if args.json is not None:  # after each model: a run stopped part-way keeps its rows
+            args.json.write_text(json.dumps(results, indent=1) + "\n")
+
     precisions = ("fp32", "tf32") if args.device == "cuda" else ("fp32",)
     for precision in precisions:
         env = dict(os.environ, CUPY_TF32="1" if precision == "tf32" else "0",
                    PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [sys.executable, __file__, "--device", args.device, "--precision", precision,
-               "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
-        out = subprocess.run(cmd + (["--quick"] if args.quick else []), env=env,
-                             capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"{precision}: {out.stderr[-3000:]}")
-        results["runs"][precision] = json.loads(out.stdout.strip().splitlines()[-1])
-    for precision, rows in results["runs"].items():
-        for name, r in rows.items():
-            fused = (f", fused {r['fused']['ms_per_step']:8.1f} ms, ratio "
-                     f"{r['fused_ratio']:.2f}" if "fused" in r else "")
-            print(f"{name:16s} {precision}: npformer {r['npformer']['ms_per_step']:8.1f} ms, "
-                  f"torch {r['torch']['ms_per_step']:8.1f} ms, ratio {r['ratio']:.2f}{fused}, "
-                  f"{r['host_reads_per_step']:.0f} host reads/step")
+               "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+               "--models", ",".join(args.models)]
+        # The child's stderr passes through; its stdout is one JSON line per model.
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as proc:
+            done = set()
+            for line in proc.stdout:
+                if line.startswith('{"model": '):
+                    out = json.loads(line)
+                    done.add(out["model"])
+                    report(precision, out["model"], out["row"])
+                else:
+                    print(line, end="")
+        for name in args.models:
+            if name not in done:  # the child died before this model's row
+                report(precision, name, {"error": f"the {precision} process exited with "
+                                                  f"status {proc.returncode} first"})
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
         print(f"wrote {args.json}")
+    if results["errors"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
