@@ -62,13 +62,124 @@ def test_layer_matches_a_dense_reference():
 
 
 def test_only_routed_tokens_reach_an_expert():
+    """Expert e's slots hold the rows that chose it, in row order; its other slots are 0."""
     moe = npf.SparseMoE(8, 6, 4, 1, seed=0, dtype="float64")
     x = np.random.default_rng(1).standard_normal((5, 8))
     moe.forward(x)
-    top, routes = moe.cache[2], moe.cache[4]
-    assert sum(len(rows) for rows, *_ in routes) == 5  # k = 1: each token runs once
-    for e, (rows, *_rest) in enumerate(routes):
-        np.testing.assert_array_equal(np.sort(rows), np.nonzero(top[:, 0] == e)[0])
+    top, counts, xe = moe.cache[2], moe.cache[4], moe.cache[6]
+    assert xe.shape == (4, 5, 8)  # capacity_factor None: C = BT slots per expert
+    np.testing.assert_array_equal(counts, np.bincount(top[:, 0], minlength=4))
+    for e in range(4):
+        rows = np.nonzero(top[:, 0] == e)[0]
+        np.testing.assert_array_equal(xe[e, :len(rows)], x[rows])
+        assert np.all(xe[e, len(rows):] == 0)
+
+
+def _loop_reference(moe, x, v):
+    """The per-expert loop (each expert gathers the rows that chose it), forward and
+    backward of <v, y> with no auxiliary term: y, dx and the three weight gradients."""
+    xs, g, k = x.reshape(-1, moe.d_model), v.reshape(-1, moe.d_model), moe.top_k
+    p = softmax(xs @ moe.router.W)
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    pk = np.take_along_axis(p, top, axis=-1)
+    gates = pk / pk.sum(-1, keepdims=True)
+    y, dx, c = np.zeros_like(xs), np.zeros_like(xs), np.zeros_like(gates)
+    dgu, ddown = np.zeros_like(moe.w_gate_up), np.zeros_like(moe.w_down)
+    for e in range(moe.n_expert):
+        rows, slot = np.nonzero(top == e)
+        h = xs[rows] @ moe.w_gate_up[e]
+        a, b = h[:, :moe.d_ff], h[:, moe.d_ff:]
+        s = 1 / (1 + np.exp(-a))
+        act = a * s * b
+        out = act @ moe.w_down[e]
+        y[rows] += gates[rows, slot, None] * out
+        c[rows, slot] = (g[rows] * out).sum(-1)
+        dout_e = g[rows] * gates[rows, slot, None]
+        ddown[e] += act.T @ dout_e
+        dact = dout_e @ moe.w_down[e].T
+        dh = np.concatenate([dact * b * s * (1 + a * (1 - s)), dact * a * s], axis=-1)
+        dgu[e] += xs[rows].T @ dh
+        dx[rows] += dh @ moe.w_gate_up[e].T
+    dz = np.zeros_like(p)
+    np.put_along_axis(dz, top, gates * (c - (gates * c).sum(-1, keepdims=True)), axis=-1)
+    return y, dx + dz @ moe.router.W.T, xs.T @ dz, dgu, ddown
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_slots_equal_the_per_expert_loop_when_nothing_is_dropped(top_k):
+    moe = npf.SparseMoE(8, 6, 4, top_k, seed=0, dtype="float64")
+    rng = np.random.default_rng(1)
+    x, v = rng.standard_normal((3, 7, 8)), rng.standard_normal((3, 7, 8))
+    moe.zero_grad()
+    y = moe.forward(x)
+    assert np.all(moe.cache[5] < 4 * 21)  # every choice has a slot: none in the bin
+    dx = moe.backward(v)
+    ref = _loop_reference(moe, x, v)
+    got = (y.reshape(-1, 8), dx.reshape(-1, 8), moe.router.dW, moe.dw_gate_up, moe.dw_down)
+    for name, a, b in zip(("y", "dx", "router.dW", "dw_gate_up", "dw_down"), got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14, err_msg=name)
+
+
+def test_dispatch_slots_queue_first_choices_first():
+    """The chapter's figure: 3 rows, 3 experts, top-2, capacity 2. Row 2's first choice
+    is expert 0's third; it goes to the overflow bin (slot E C = 6)."""
+    from npformer.moe import dispatch_slots
+
+    top = np.array([[0, 1], [0, 2], [0, 1]])
+    slot, counts = dispatch_slots(top, 3, 2)
+    np.testing.assert_array_equal(slot, [[0, 2], [1, 4], [6, 3]])
+    np.testing.assert_array_equal(counts, [3, 2, 1])  # choices, dropped ones included
+    slot, _ = dispatch_slots(top, 3, 3)  # room for all: nothing in the bin
+    np.testing.assert_array_equal(slot, [[0, 3], [1, 6], [2, 4]])
+
+
+def test_capacity_is_ceil_of_factor_times_even_share_at_most_the_rows():
+    assert npf.SparseMoE(8, 6, 4, 2).capacity(15) == 15  # None: every row fits
+    assert npf.SparseMoE(8, 6, 4, 2, capacity_factor=1.0).capacity(15) == 8  # ceil(7.5)
+    assert npf.SparseMoE(8, 6, 4, 2, capacity_factor=1.25).capacity(16) == 10
+    assert npf.SparseMoE(8, 6, 4, 2, capacity_factor=9.0).capacity(15) == 15
+    assert _llama(capacity_factor=1.5).h[1].mlp.capacity_factor == 1.5
+
+
+def _capped_layer(factor=0.5, top_k=2):
+    """A float64 layer with capacity_factor below 1 on 15 rows: some choices are dropped."""
+    moe = npf.SparseMoE(8, 6, 4, top_k, seed=0, dtype="float64", capacity_factor=factor)
+    return moe, np.random.default_rng(1).standard_normal((3, 5, 8))
+
+
+def test_dropped_choices_contribute_exactly_zero():
+    moe, x = _capped_layer()
+    y = moe.forward(x).reshape(-1, 8)
+    xs, p, top, gates, counts, slot, xe, a, out, _ = moe.cache
+    C = moe.capacity(15)
+    dropped = slot == 4 * C
+    assert C == 4 and dropped.sum() == 30 - np.minimum(counts, C).sum() > 0  # 30 choices
+    assert np.all(out[dropped] == 0)
+    # the queue by hand: first choices in row order, then second choices; C places each
+    taken, expected = np.zeros(4, int), np.zeros_like(xs)
+    for r in range(2):
+        for i in range(15):
+            e = top[i, r]
+            if taken[e] < C:
+                taken[e] += 1
+                h = xs[i] @ moe.w_gate_up[e]
+                act = h[:6] / (1 + np.exp(-h[:6])) * h[6:]
+                expected[i] += gates[i, r] * (act @ moe.w_down[e])
+            else:
+                assert dropped[i, r]
+    np.testing.assert_allclose(y, expected, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_gradients_with_dropped_choices_match_finite_differences(factor):
+    moe, x = _capped_layer(factor)
+    moe.forward(x)
+    routing, slots = moe.cache[2].copy(), moe.cache[5].copy()
+    assert np.any(slots == 4 * moe.capacity(15))  # some choice is dropped
+    errors = check_module(moe, x)
+    moe.forward(x)
+    assert np.array_equal(moe.cache[2], routing) and np.array_equal(moe.cache[5], slots)
+    assert max(errors.values()) < 1e-7, errors
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])
@@ -135,6 +246,15 @@ def test_trainer_objective_adds_the_aux_term():
     loss, _ = next_token_objective(model, ids, np.random.default_rng(0))
     ce, _ = next_token_loss(model.forward(ids), ids)
     assert loss == pytest.approx(ce + 0.25 * model.aux_loss, rel=1e-12)
+
+
+def test_bad_capacity_factor_is_refused_by_name():
+    for bad in (0, -1.0, float("nan"), float("inf"), "1.25", True):
+        with pytest.raises(ValueError, match="^capacity_factor: expected None or a positive "
+                                             "finite number, got "):
+            npf.SparseMoE(8, 6, 4, 2, capacity_factor=bad)
+        with pytest.raises(ValueError, match="^capacity_factor: expected None or a positive"):
+            npf.LlamaConfig(**{**MOE, "capacity_factor": bad})
 
 
 def test_bad_expert_settings():
