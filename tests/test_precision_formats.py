@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from npformer.precision import FORMATS, get_format, round_to
+from npformer.precision import FORMATS, decode, encode, get_format, round_to, stochastic_round
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -138,3 +138,146 @@ def test_round_to_keeps_shape_and_refuses_other_dtypes():
     with pytest.raises(ValueError, match="fmt: expected a Format or one of"):
         round_to(x, "bf17")
     assert get_format(FORMATS["fp16"]) is FORMATS["fp16"]
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_decode_every_bit_pattern_as_the_library_does(name):
+    form = FORMATS[name]
+    pattern = np.arange(2**form.bits, dtype=form.storage)
+    assert pattern.size == {8: 256, 16: 65536}[form.bits]
+    ours = decode(pattern, name)
+    with np.errstate(invalid="ignore"):
+        theirs = pattern.view(NARROW[name]).astype(np.float64)
+    nan = np.isnan(theirs)
+    assert np.array_equal(np.isnan(ours), nan)
+    assert np.array_equal(ours[~nan], theirs[~nan])
+    assert np.array_equal(np.signbit(ours[~nan]), np.signbit(theirs[~nan]))  # -0.0 too
+
+
+def test_decode_tf32_and_fp32_as_the_float32_they_are_the_top_bits_of():
+    tf32 = np.arange(2**19, dtype=np.uint32)  # every TF32 pattern
+    for pattern, shift, name in ((tf32, 13, "tf32"),
+                                 (random_float32(10**6, 3).view(np.uint32), 0, "fp32")):
+        with np.errstate(invalid="ignore"):
+            theirs = (pattern << np.uint32(shift)).view(np.float32).astype(np.float64)
+        ours = decode(pattern, name)
+        nan = np.isnan(theirs)
+        assert np.array_equal(np.isnan(ours), nan)
+        assert np.array_equal(ours[~nan], theirs[~nan])
+        assert np.array_equal(np.signbit(ours[~nan]), np.signbit(theirs[~nan]))
+
+
+@pytest.mark.parametrize("name", list(NARROW))
+def test_encode_gives_the_library_bits(name):
+    x = inputs(name)
+    with np.errstate(over="ignore", invalid="ignore"):
+        theirs = x.astype(NARROW[name]).view(FORMATS[name].storage)
+    ours = encode(x, name)
+    assert ours.dtype == FORMATS[name].storage
+    if name == "fp16":  # NumPy keeps a NaN's payload; encode gives the quiet NaN, same sign
+        nan = np.isnan(x)
+        assert np.array_equal(ours[~nan], theirs[~nan])
+        assert np.all(ours[nan] & np.uint16(0x7FFF) == 0x7E00)
+        assert np.array_equal(ours[nan] >> np.uint16(15), theirs[nan] >> np.uint16(15))
+    else:
+        assert np.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("name", [n for n in FORMATS])
+def test_decode_of_encode_is_round_to(name):
+    x = inputs(name) if name != "fp32" else random_float32(10**6, 4)
+    y = decode(encode(x, name), name)
+    assert same_or_both_nan(y.astype(np.float32), round_to(x, name))
+    if name == "fp32":
+        assert np.array_equal(encode(x, name), x.view(np.uint32))
+
+
+def test_tf32_encode_is_the_top_19_bits_of_round_to():
+    x = inputs("tf32")
+    ours = encode(x, "tf32")
+    y = round_to(x, "tf32").view(np.uint32)
+    assert ours.dtype == np.uint32 and np.all(ours < 2**19)
+    finite = ~np.isnan(round_to(x, "tf32"))
+    assert np.array_equal(ours[finite], y[finite] >> np.uint32(13))
+
+
+def test_format_facts():
+    facts = {name: (f.bits, f.bias, f.machine_eps, f.min_subnormal, f.min_normal,
+                    f.max_finite) for name, f in FORMATS.items()}
+    assert facts["fp8_e4m3"] == (8, 7, 2**-3, 2**-9, 2**-6, 448.0)
+    assert facts["fp8_e5m2"] == (8, 15, 2**-2, 2**-16, 2**-14, 57344.0)
+    assert facts["fp16"] == (16, 15, 2**-10, 2**-24, 2**-14, 65504.0)
+    assert facts["tf32"][:5] == (19, 127, 2**-10, 2**-136, 2**-126)
+    for name, dt in (("bf16", ml_dtypes.bfloat16), ("fp32", np.float32)):
+        info = ml_dtypes.finfo(dt)
+        assert facts[name][2:] == (float(info.eps), float(info.smallest_subnormal),
+                                   float(info.smallest_normal), float(info.max))
+
+
+# Stochastic rounding: unbiased, proved by running every value of the random bits.
+
+def enumerate_sr(x: np.ndarray, name: str, c: int):
+    """stochastic_round of each x with every one of the 2^c values of xi (the top c of
+    the 32 random bits): (results (len(x), 2^c), float32)."""
+    xi = np.arange(2**c, dtype=np.uint32) << np.uint32(32 - c)
+    X = np.repeat(x[:, None], 2**c, axis=1)
+    return stochastic_round(X, name, np.broadcast_to(xi, X.shape).copy())
+
+
+@pytest.mark.parametrize("name, c, scale", [
+    ("bf16", 16, 1.0), ("bf16", 16, 1e-39), ("bf16", 16, 1e38),  # normal, subnormal, top
+    ("tf32", 13, 1.0),
+    ("fp16", 13, 1.0), ("fp16", 18, 2.0**-19),  # 5 binades below fp16's x_min
+    ("fp8_e5m2", 21, 1.0), ("fp8_e4m3", 20, 1.0), ("fp8_e4m3", 20, 100.0)])
+def test_stochastic_rounding_is_unbiased_exactly(name, c, scale):
+    rng = np.random.default_rng(5)
+    x = (scale * rng.uniform(1, 2, 8) * rng.choice([-1, 1], 8)).astype(np.float32)
+    form = FORMATS[name]
+    E = np.maximum(np.floor(np.log2(np.abs(x.astype(np.float64)))), -126)  # float32's
+    assert np.all(23 - form.mantissa_bits + np.maximum(form.emin - E, 0) == c)  # c bits cut
+    y = enumerate_sr(x, name, c).astype(np.float64)
+    assert np.array_equal(y.mean(axis=1), x.astype(np.float64))  # exact: E[sr(x)] = x
+    down = np.where(np.abs(y) <= np.abs(x[:, None]), 1, 0)  # a: toward zero
+    lo, hi = np.min(np.abs(y), axis=1), np.max(np.abs(y), axis=1)
+    assert np.all(np.abs(x) >= lo) and np.all(np.abs(x) <= hi)
+    p_up = 1 - down.mean(axis=1)
+    fraction = (np.abs(x.astype(np.float64)) - lo) / np.where(hi > lo, hi - lo, 1)
+    assert np.array_equal(p_up, fraction)  # P(up) = (x - a) / (b - a)
+    both = round_to(x, name)  # the nearest is one of the two neighbours
+    assert np.all((np.abs(both) == lo) | (np.abs(both) == hi))
+
+
+def test_stochastic_round_of_representable_numbers_is_exact():
+    x = round_to(random_float32(10**5, 6), "fp16")
+    bits = np.random.default_rng(7).integers(0, 2**32, x.shape, dtype=np.uint32)
+    assert same_or_both_nan(stochastic_round(x, "fp16", bits), x)
+
+
+def test_stochastic_round_takes_a_generator_and_checks_its_bits():
+    x = np.full((3, 4), 1 + 2**-9, dtype=np.float32)
+    y = stochastic_round(x, "bf16", np.random.default_rng(0))
+    assert y.shape == (3, 4) and set(np.unique(y)) <= {1.0, 1 + 2**-7}
+    with pytest.raises(ValueError, match="bits: expected shape"):
+        stochastic_round(x, "bf16", np.zeros(5, np.uint32))
+    with pytest.raises(ValueError, match="bits: expected dtype uint32"):
+        stochastic_round(x, "bf16", np.zeros((3, 4), np.int64))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_functions_run_on_a_device_array_with_no_host_read(name):
+    from npformer.strict import Strict, register, strict
+
+    register()
+
+    x = np.concatenate([edge_cases("fp8_e4m3"), random_float32(1000, 8)])
+    bits = np.random.default_rng(9).integers(0, 2**32, x.shape, dtype=np.uint32)
+    Strict.reset()
+    y = round_to(strict(x), name)
+    p = encode(strict(x), name)
+    v = decode(p, name)
+    s = stochastic_round(strict(x), name, strict(bits))
+    assert Strict.reads == 0
+    assert all(isinstance(a, Strict) for a in (y, p, v, s))
+    assert np.array_equal(y.a.view(np.uint32), round_to(x, name).view(np.uint32))
+    assert np.array_equal(p.a, encode(x, name))
+    assert np.array_equal(s.a.view(np.uint32), stochastic_round(x, name, bits).view(np.uint32))
