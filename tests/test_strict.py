@@ -223,6 +223,37 @@ def test_a_training_step_on_the_strict_device_equals_the_host_and_reads_twice(fa
         assert not launches
 
 
+VARIANTS = {  # float32, dropout (a device's own mask stream), dropped expert choices, ...
+    "gpt_f32_dropout": (lambda k: npf.GPT(npf.GPTConfig(**{**GPT, "dtype": "float32",
+                                                          "dropout": 0.1}), seed=0, kernels=k),
+                        "gpt"),
+    "llama_f32_tied_dropout": (lambda k: npf.Llama(npf.LlamaConfig(
+        **{**LLAMA, "dtype": "float32", "tie_embeddings": True, "dropout": 0.1}), seed=0,
+        kernels=k), "llama_gqa"),
+    "moe_capacity": (lambda k: npf.Llama(npf.LlamaConfig(**LLAMA, n_expert=4,
+                                                         capacity_factor=0.75), seed=0,
+                                         kernels=k), "moe"),
+    "bert_dropout": (lambda k: npf.BERT(npf.BERTConfig(vocab_size=30, block_size=8, n_layer=2,
+                                                       n_head=2, d_model=16, d_ff=32,
+                                                       dropout=0.1), seed=0, kernels=k),
+                     "bert"),
+    "transformer_dropout": (lambda k: npf.Transformer(npf.TransformerConfig(
+        **{**SEQ2SEQ, "dropout": 0.1}), seed=0, kernels=k), "transformer"),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants_train_on_the_strict_device_reading_twice(variant, kind):
+    """Runs that cannot equal the host's (a device draws its own dropout masks) or that the
+    families above leave out: each step trains, with a finite loss, and reads twice."""
+    make, family = VARIANTS[variant]
+    out, reads, params = _train(make(kind), family, "strict")
+    assert all(math.isfinite(loss) and math.isfinite(norm) for loss, norm in out)
+    assert max(reads) <= MAX_READS, f"host reads per step: {reads}"
+    assert all(np.isfinite(p).all() for p in params.values())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_decoding_on_the_strict_device_gives_the_host_tokens(kind):
     gpt, gdev = (npf.GPT(npf.GPTConfig(**GPT), seed=0, kernels=kind) for _ in range(2))
@@ -352,6 +383,8 @@ def _exercise() -> list[tuple]:
     for family, (make, *_) in FAMILIES.items():
         for kind in ("numpy", "fused") if kernels.HAVE_NUMBA else ("numpy",):
             _train(make(kind), family, "strict", steps=1)
+    for make, family in VARIANTS.values():
+        _train(make("fused" if kernels.HAVE_NUMBA else "numpy"), family, "strict", steps=1)
     gpt = npf.GPT(npf.GPTConfig(**GPT), seed=0).to("strict")
     npf.generate(gpt, _ids(13, (2, 3)), 3, seed=1, top_k=3)
     npf.merge_lora(npf.add_lora(gpt, rank=2, alpha=4.0))
