@@ -14,7 +14,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from npformer.precision import FORMATS, decode, encode, get_format, round_to, stochastic_round
+from npformer.precision import (
+    FORMATS,
+    decode,
+    encode,
+    get_format,
+    round_bits,
+    round_to,
+    stochastic_round,
+)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -95,12 +103,13 @@ def same_or_both_nan(a: np.ndarray, b: np.ndarray) -> bool:
                                 a.view(np.uint32) == b.view(np.uint32))))
 
 
+@pytest.mark.parametrize("rounding", [round_to, round_bits])
 @pytest.mark.parametrize("name", list(NARROW))
-def test_round_to_matches_the_library_cast_bit_for_bit(name):
+def test_rounding_matches_the_library_cast_bit_for_bit(name, rounding):
     x = inputs(name)
     with np.errstate(over="ignore", invalid="ignore"):
         ref = x.astype(NARROW[name]).astype(np.float32)
-    y = round_to(x, name)
+    y = rounding(x, name)
     assert y.dtype == np.float32 and y.shape == x.shape
     nan = np.isnan(ref)
     assert np.array_equal(np.isnan(y), nan)
@@ -114,14 +123,23 @@ def test_round_to_matches_the_library_cast_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", [n for n in FORMATS if n != "fp32"])
-def test_round_to_matches_rounding_in_float64(name):
+def test_rounding_matches_rounding_in_float64(name):
     x = inputs(name)
-    assert same_or_both_nan(round_to(x, name), reference_round(x, name).astype(np.float32))
+    ref = reference_round(x, name).astype(np.float32)
+    assert same_or_both_nan(round_to(x, name), ref)
+    assert same_or_both_nan(round_bits(x, name), ref)
 
 
-def test_round_to_fp32_is_the_identity():
+@pytest.mark.parametrize("name", [n for n in FORMATS if n != "fp32"])
+def test_round_to_and_round_bits_agree_to_the_bit(name):
+    x = inputs(name)
+    assert np.array_equal(round_to(x, name).view(np.uint32), round_bits(x, name).view(np.uint32))
+
+
+def test_rounding_to_fp32_is_the_identity():
     x = random_float32(10**5, seed=2)
     assert np.array_equal(round_to(x, "fp32").view(np.uint32), x.view(np.uint32))
+    assert np.array_equal(round_bits(x, "fp32").view(np.uint32), x.view(np.uint32))
 
 
 def test_tf32_is_the_top_19_bits_of_float32_rounded():
@@ -273,11 +291,13 @@ def test_the_functions_run_on_a_device_array_with_no_host_read(name):
     bits = np.random.default_rng(9).integers(0, 2**32, x.shape, dtype=np.uint32)
     Strict.reset()
     y = round_to(strict(x), name)
+    b = round_bits(strict(x), name)
     p = encode(strict(x), name)
     v = decode(p, name)
     s = stochastic_round(strict(x), name, strict(bits))
     assert Strict.reads == 0
-    assert all(isinstance(a, Strict) for a in (y, p, v, s))
+    assert all(isinstance(a, Strict) for a in (y, b, p, v, s))
+    assert np.array_equal(b.a.view(np.uint32), round_to(x, name).view(np.uint32))
     assert np.array_equal(y.a.view(np.uint32), round_to(x, name).view(np.uint32))
     assert np.array_equal(p.a, encode(x, name))
     assert np.array_equal(s.a.view(np.uint32), stochastic_round(x, name, bits).view(np.uint32))

@@ -319,8 +319,10 @@ def test_fused_without_numba_is_refused_on_the_host_but_not_on_a_gpu(monkeypatch
     model = npf.GPT(npf.GPTConfig(**GPT), seed=0, kernels="numpy")
     with pytest.raises(RuntimeError, match="needs Numba off a GPU"):
         model.use_kernels("fused")
+    assert model.use_kernels(None).kernels == "numpy"  # the default: what the host has
     monkeypatch.setattr(type(model), "device", property(lambda self: "cuda"))
     assert model.use_kernels("fused").kernels == "fused"  # CuPy alone launches them
+    assert model.use_kernels("numpy").use_kernels(None).kernels == "fused"
 
 
 # ------------------------------------------------------------------ the checked launches
