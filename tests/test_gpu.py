@@ -166,7 +166,7 @@ def test_cuda_kernel_layer_matches_the_listing(name, dtype):
     y = listing.forward(x)
     dy = rng.standard_normal(y.shape)
     dx = listing.backward(dy)
-    layer = make(dtype).use_kernels("fused").to("cuda")
+    layer = make(dtype).to("cuda").use_kernels("fused")
     y_g = layer.forward(to_device(x.astype(dtype), "cuda"))
     dx_g = layer.backward(to_device(dy.astype(dtype), "cuda"))
     _close(y_g, y, dtype)

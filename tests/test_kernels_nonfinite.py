@@ -58,8 +58,8 @@ def assert_same_classes(fused, listing, what: str) -> None:
 
 
 def _fused(make, dtype, device):
-    layer = kernels.use_kernels(make(dtype), "fused")
-    return layer.to(device) if device != "cpu" else layer
+    layer = make(dtype)
+    return kernels.use_kernels(layer.to(device) if device != "cpu" else layer, "fused")
 
 
 def _forward_backward(layer, x, dy, device):
