@@ -3,8 +3,6 @@ counted"): ``parameter_count``, ``block_activations`` and ``step_memory`` in
 ``npformer.perf``, against the models' own parameters, their caches and tracemalloc."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
