@@ -413,6 +413,14 @@ def package_references(tree: ast.AST, module: str | None):
                     yield (mod, None, node.lineno)
                     if a.asname:
                         aliases[a.asname] = mod
+        elif (  # importlib.import_module("npformer.x"): an import all the same
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith(PACKAGE + ".")
+        ):
+            yield (node.args[0].value[len(PACKAGE) + 1 :], None, node.lineno)
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)

@@ -205,3 +205,24 @@ def test_relative_error_is_normwise_and_zero_for_two_zero_arrays():
     )
     with pytest.raises(ValueError, match=r"n: expected the shape of a, \(2,\), got \(3,\)"):
         relative_error(np.zeros(2), np.zeros(3))
+
+
+# --------------------------------------------------------------------------- later kernels
+
+
+def test_the_fused_kernels_are_found_by_name_and_a_missing_one_names_its_module(monkeypatch):
+    """Module, the optimisers and cross_entropy reach Kernels by hand through the table it
+    fills when imported, never by importing it."""
+    from npformer import kernels, module
+    from npformer.softmax import cross_entropy
+
+    assert module.KERNELS["use_kernels"] is kernels.use_kernels
+    assert module.KERNELS["cross_entropy"] is kernels.fused_cross_entropy
+    assert npf.Linear(2, 3).use_kernels("numpy").kernels == "numpy"
+    monkeypatch.setattr(module, "KERNELS", {})  # as if that module had never been imported
+    with pytest.raises(RuntimeError, match=r"'use_kernels' .*import npformer\.kernels"):
+        npf.Linear(2, 3).use_kernels("fused")
+    with pytest.raises(RuntimeError, match=r"'cross_entropy' .*import npformer\.kernels"):
+        cross_entropy(np.zeros((2, 4)), np.array([0, 3]), kernels="fused")
+    loss, _ = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))  # the listing needs none
+    assert loss == pytest.approx(np.log(4))

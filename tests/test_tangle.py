@@ -7,6 +7,7 @@ are computed from the chapter text, so every assertion names the exact line.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import io
@@ -605,6 +606,8 @@ LATER_USES = {
     "attribute": ("import npformer as npf\n\nnpf.thing()", "npformer.thing"),
     "import-module": ("import npformer.later", "npformer.later"),
     "from-package-module": ("from npformer import later", "npformer.later"),
+    "importlib": ('import importlib\n\nimportlib.import_module("npformer.later")',
+                  "npformer.later"),
 }
 
 
@@ -1095,6 +1098,39 @@ def test_the_tangled_package_imports_in_a_fresh_interpreter(tmp_path):
 def test_the_real_book_is_tangled_and_src_is_up_to_date(capsys):
     rc = tangle.main(["--check", "--root", str(REPO)])
     assert rc == 0, "src/ is stale; run `python tangle.py`:\n" + capsys.readouterr().out
+
+
+def test_the_real_packages_modules_import_one_another_without_a_circle():
+    """Every import of the package, at the top or inside a function, by name or through
+    importlib, points to a module the importing one does not lead back to."""
+    src = REPO / SRC
+    names = {".".join(p.relative_to(src).with_suffix("").parts): p for p in src.rglob("*.py")
+             if p.name != "__init__.py"}
+    imports: dict[str, set[str]] = {}
+    for name, path in names.items():
+        refs = tangle.package_references(ast.parse(path.read_text(encoding="utf-8")), name)
+        imports[name] = set()
+        for mod, member, _ in refs:
+            mod = f"{mod}.{member}" if f"{mod}.{member}" in names else mod
+            if mod in names and mod != name:
+                imports[name].add(mod)
+    assert {"softmax", "module"} <= imports["kernels"]  # the graph is really read
+
+    def path_back(start: str) -> list[str] | None:
+        stack = [[start]]
+        seen = set()
+        while stack:
+            trail = stack.pop()
+            for nxt in imports[trail[-1]]:
+                if nxt == start:
+                    return trail + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(trail + [nxt])
+        return None
+
+    circles = [trail for name in sorted(names) if (trail := path_back(name))]
+    assert circles == []
 
 
 # --------------------------------------------------------------------------- property
