@@ -18,6 +18,15 @@ modules it writes to::
       module: softmax          # -> src/npformer/softmax.py
       modules: [proofs]        # this chapter also appends to npformer/proofs.py
 
+A module that earlier chapters use before the chapter that explains it is declared
+``forward`` by that chapter; it may import nothing of the package, so that no import
+of it can close a circle::
+
+    npformer:
+      forward: [device]        # earlier chapters may import npformer.device
+      module: strict
+      modules: [device]
+
 and marks a cell for export in the MyST cell options::
 
     ```{code-cell} ipython3
@@ -92,6 +101,8 @@ class Chapter:
     modules: list[str]
     cells: list[Cell] = field(default_factory=list)
     module_line: int = 1  # 1-based line of 'module:' in the front matter
+    # Modules of this chapter that earlier chapters may import (``forward: [...]``).
+    forward: list[str] = field(default_factory=list)
     # A preview chapter (``preview: true``) shows the finished library at work before the
     # chapters that build it: it may use any chapter's names, and it exports nothing.
     preview: bool = False
@@ -258,7 +269,13 @@ def parse_chapter(root: Path, rel: str, index: int) -> Chapter:
     if preview and (module or modules):
         raise TangleError(f"{rel}:1", "a preview chapter exports nothing: drop 'module' and "
                                       "'modules' from its front matter")
-    chapter = Chapter(rel, index, module, list(modules), preview=preview)
+    forward = conf.get("forward") or []
+    forward = [forward] if isinstance(forward, str) else forward
+    for m in forward if isinstance(forward, list) else [forward]:
+        if m not in ([module] if module else []) + list(modules):
+            raise TangleError(f"{rel}:1", f"forward module {m!r} is not a module of this "
+                              "chapter: list it under 'module' or 'modules' too")
+    chapter = Chapter(rel, index, module, list(modules), forward=forward, preview=preview)
     conf_at = next((n for n in range(1, i) if lines[n].startswith(f"{PACKAGE}:")), None)
     if conf_at is not None:  # the npformer: block runs until the next unindented line
         end = next((n for n in range(conf_at + 1, i) if not lines[n][:1].isspace()), i)
@@ -522,11 +539,19 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
         by_name.setdefault(d.name, []).append(d)
     packages = {p for m in module_names for p in _parents(m)}
     first: dict[str, Definition] = {}  # module or package -> the cell that first writes to it
+    forward = {m for ch in chapters for m in ch.forward}  # earlier chapters may import these
     for ch in chapters:
         for ci, cell in enumerate(ch.cells):
             if cell.module is not None:
                 for m in [cell.module] + _parents(cell.module):
                     first.setdefault(m, Definition(m, m, cell, ch.index, ci, cell.fence_line))
+            if cell.module in forward and id(cell) in trees:
+                for _, _, lineno in package_references(trees[id(cell)], cell.module):
+                    raise TangleError(
+                        f"{ch.path}:{cell.code_line + lineno - 1}",
+                        f"module {cell.module!r} is declared forward (earlier chapters import "
+                        f"it), so it may import nothing of {PACKAGE}: that could close a circle",
+                    )
     for ch in chapters:
         for ci, cell in enumerate(ch.cells):
             tree = trees.get(id(cell))
@@ -538,7 +563,7 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
                     # a re-exported name wins over a module of the same name, as at run time
                     cands = [d for d in by_name.get(name, []) if name in exports[d.module]]
                     if cands:
-                        _check_order(cands[0], ch, ci, where, f"{PACKAGE}.{name}")
+                        _check_order(cands[0], ch, ci, where, f"{PACKAGE}.{name}", forward)
                         continue
                     if name not in module_names and name not in packages:
                         raise TangleError(
@@ -550,7 +575,7 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
                 if name is not None and f"{mod}.{name}" in module_names | packages:
                     mod, name = f"{mod}.{name}", None
                 if name is None:
-                    _check_order(first[mod], ch, ci, where, f"{PACKAGE}.{mod}")
+                    _check_order(first[mod], ch, ci, where, f"{PACKAGE}.{mod}", forward)
                     continue
                 d = definitions.get((mod, name))
                 if d is None and mod in packages:  # re-exported by the sub-package
@@ -559,13 +584,14 @@ def check_references(chapters, trees, definitions, exports, module_names) -> Non
                     )
                 if d is None:
                     raise TangleError(where, f"'{PACKAGE}.{mod}' defines no name {name!r}")
-                _check_order(d, ch, ci, where, f"{PACKAGE}.{mod}.{name}")
+                _check_order(d, ch, ci, where, f"{PACKAGE}.{mod}.{name}", forward)
 
 
-def _check_order(d: Definition, ch: Chapter, ci: int, where: str, what: str) -> None:
+def _check_order(d: Definition, ch: Chapter, ci: int, where: str, what: str,
+                 forward: set[str] = frozenset()) -> None:
     if ch.preview:  # it reads the finished library; the name exists, which is all it needs
         return
-    if d.chapter_index > ch.index:
+    if d.chapter_index > ch.index and d.module not in forward:
         raise TangleError(
             where,
             f"{what} is used before the chapter that defines it ({d.cell.chapter}:{d.line}); "

@@ -140,7 +140,7 @@ def matmul_peak(device: str, n_rows: int, d: int, repeats: int = 10) -> float:
     """FLOP/s of a (n_rows, d) x (d, 4d) float32 product, best of repeats."""
     import numpy as np
 
-    from npformer.module import to_device
+    from npformer.device import to_device
     a = to_device(np.random.default_rng(0).standard_normal((n_rows, d), np.float32), device)
     b = to_device(np.random.default_rng(1).standard_normal((d, 4 * d), np.float32), device)
     best = math.inf
@@ -160,7 +160,7 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
     import torch
 
     import npformer as npf
-    from npformer import module as M
+    from npformer import device as D
     from npformer.losses import next_token_loss
     from npformer.optim import AdamW, default_no_decay, train_step
     from npformer.perf import shape_of, train_flops
@@ -187,7 +187,7 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
 
     model.to(device)
     opt = AdamW(model.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    ids = M.to_device(ids_host, device)
+    ids = D.to_device(ids_host, device)
     kernels = importlib.util.find_spec("numba") is not None or device == "cuda"
     if kernels:  # the same model with the fused kernels (book/kernels.md)
         model_f = npf.GPT(cfg, seed=0, kernels="fused").to(device)
@@ -197,8 +197,8 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
         return next_token_loss(m.forward(batch), batch, kernels=m.kernels)
 
     reads = [0]
-    dev = M.get_device(device)
-    counted = M.register_device(device, dev.array_type, to=dev.to,
+    dev = D.get_device(device)
+    counted = D.register_device(device, dev.array_type, to=dev.to,
                                 to_host=lambda x: (reads.__setitem__(0, reads[0] + 1),
                                                    dev.to_host(x))[1])
 
@@ -248,7 +248,7 @@ def bench_one(name: str, fields: dict, B: int, device: str, precision: str, repe
             times[side].append(time.perf_counter() - t0)
             read_counts[side] += reads[0] - before
     reads_per_step = read_counts["npformer"] / repeats
-    M.register_device(device, counted.array_type, to=counted.to, to_host=dev.to_host)
+    D.register_device(device, counted.array_type, to=counted.to, to_host=dev.to_host)
 
     profile = {}  # one npformer step by phase, each between synchronisations
     marks = [("zero_grad", lambda: model.zero_grad())]

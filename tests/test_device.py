@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 
 import npformer as npf
-from npformer.module import (
-    CounterGenerator,
-    FlatStore,
-    check_ids,
-    device_of,
-    read_host,
-    to_device,
-    to_host,
-)
+from npformer.device import device_of, read_host, to_device, to_host
+from npformer.module import CounterGenerator, FlatStore, check_ids
 from npformer.optim import AdamW, train_step
 from npformer.strict import Strict, register, strict
 from npformer.train import masked_lm_objective, next_token_objective

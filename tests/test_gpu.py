@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import npformer as npf
-from npformer.module import to_device, to_host
+from npformer.device import to_device, to_host
 from npformer.optim import AdamW, train_step
 from npformer.seq2seq import beam_search, seq2seq_objective
 from npformer.train import masked_lm_objective, next_token_objective, reconstruction_objective

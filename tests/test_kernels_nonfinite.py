@@ -19,8 +19,8 @@ import pytest
 from npformer import kernels
 from npformer.activations import GELU, SiLU, SwiGLU
 from npformer.attention import attention_backward, causal_mask, scaled_dot_product_attention
+from npformer.device import to_device, to_host
 from npformer.embedding import Embedding
-from npformer.module import to_device, to_host
 from npformer.norm import LayerNorm, RMSNorm
 from npformer.optim import AdamW
 from npformer.softmax import cross_entropy

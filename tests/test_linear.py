@@ -226,3 +226,14 @@ def test_the_fused_kernels_are_found_by_name_and_a_missing_one_names_its_module(
         cross_entropy(np.zeros((2, 4)), np.array([0, 3]), kernels="fused")
     loss, _ = cross_entropy(np.zeros((2, 4)), np.array([0, 3]))  # the listing needs none
     assert loss == pytest.approx(np.log(4))
+
+
+def test_importing_any_module_of_the_package_registers_the_fused_kernels():
+    """Python runs npformer/__init__ first, and it imports Kernels by hand's module."""
+    import subprocess
+    import sys
+
+    code = "import npformer.softmax, npformer.module as m; print(*sorted(m.KERNELS))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["cross_entropy", "use_kernels"]

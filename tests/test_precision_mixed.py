@@ -205,7 +205,7 @@ def test_a_mixed_step_on_the_strict_device_reads_twice():
         opt = AdamW(model.named_parameters(), lr=1e-3)
         scaler = LossScaler(scale=2.0**10)
         Strict.reset()
-        ids_d = npf.module.to_device(ids, device)
+        ids_d = npf.device.to_device(ids, device)
         losses.append(train_step(model, opt, _objective(), ids_d, scaler=scaler))
         if device == "strict":
             assert Strict.reads <= 2

@@ -8,8 +8,9 @@ import pytest
 
 import npformer as npf
 from npformer.block import TransformerBlock
+from npformer.device import to_device, to_host
 from npformer.losses import mse_loss, next_token_loss
-from npformer.module import CounterGenerator, to_device, to_host
+from npformer.module import CounterGenerator
 from npformer.optim import AdamW
 from npformer.perf import traced_peak
 from npformer.precision import Recomputed, use_precision

@@ -28,7 +28,7 @@ import pytest
 
 import npformer as npf
 from npformer import kernels
-from npformer.module import device_of, to_device, to_host
+from npformer.device import device_of, to_device, to_host
 from npformer.optim import AdamW, train_step
 from npformer.seq2seq import BOS, EOS, PAD, beam_search, greedy_decode, seq2seq_objective
 from npformer.strict import CUPY, ArrayMethods, Strict, memory, register, strict
