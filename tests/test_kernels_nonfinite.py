@@ -15,27 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_kernels import LAYERS  # the same layers and shapes as the kernels' own tests
 
 from npformer import kernels
-from npformer.activations import GELU, SiLU, SwiGLU
 from npformer.attention import attention_backward, causal_mask, scaled_dot_product_attention
 from npformer.device import to_device, to_host
 from npformer.embedding import Embedding
-from npformer.norm import LayerNorm, RMSNorm
 from npformer.optim import AdamW
 from npformer.softmax import cross_entropy
 
 SPECIALS = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}
 DTYPES = ("float32", "float64")
-LAYERS = {
-    "gelu": (lambda dt: GELU(dtype=dt), (3, 4, 16)),
-    "gelu_tanh": (lambda dt: GELU("tanh", dtype=dt), (3, 4, 16)),
-    "silu": (lambda dt: SiLU(dtype=dt), (3, 4, 16)),
-    "swiglu": (lambda dt: SwiGLU(dtype=dt), (3, 4, 32)),
-    "layernorm": (lambda dt: LayerNorm(16, dtype=dt), (3, 4, 16)),
-    "rmsnorm": (lambda dt: RMSNorm(16, dtype=dt), (3, 4, 16)),
-}
-AT = 21  # the flat position that receives the special number: row 1 of the layers' inputs
+AT = 21  # the flat position that receives the special number, in the first row
 
 
 def classes(a) -> np.ndarray:
