@@ -25,12 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_device import _records as device_records
 
 import npformer as npf
 from npformer import kernels
 from npformer.device import device_of, to_device, to_host
 from npformer.optim import AdamW, train_step
-from npformer.seq2seq import BOS, EOS, PAD, beam_search, greedy_decode, seq2seq_objective
+from npformer.seq2seq import beam_search, greedy_decode, seq2seq_objective
 from npformer.strict import CUPY, ArrayMethods, Strict, memory, register, strict
 from npformer.train import masked_lm_objective, next_token_objective, reconstruction_objective
 
@@ -46,15 +47,9 @@ def _ids(vocab: int, shape, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, shape)
 
 
-def _records(seed: int, B: int = 3, S: int = 8, n: int = 5, V: int = 11) -> np.ndarray:
-    """Rows of source (S, padded) then target (<s> y </s> <pad>...): seq2seq_objective's."""
-    rng = np.random.default_rng(seed)
-    src = rng.integers(3, V, (B, S))
-    src[0, S - 2:] = PAD
-    tgt = np.full((B, n + 2), PAD)
-    tgt[:, 0], tgt[:, 1:n] = BOS, rng.integers(3, V, (B, n - 1))
-    tgt[:, n] = EOS
-    return np.concatenate([src, tgt], axis=1)
+def _records(seed: int) -> np.ndarray:
+    """Rows of source then target, as seq2seq_objective reads them (test_device's)."""
+    return device_records(3, 8, 5, 11, seed)
 
 
 GPT = dict(vocab_size=13, block_size=8, n_layer=2, n_head=2, d_model=16, dtype="float64")
