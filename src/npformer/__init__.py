@@ -55,6 +55,7 @@ from npformer.pretrained import load_pretrained_bert, load_pretrained_gpt2, sent
 from npformer.recipes import train_mlm, train_reconstruction
 from npformer.sampling import generate
 from npformer.seq2seq import beam_search, greedy_decode
+from npformer.sft import ChatTemplate, TokenLogProbs, add_special_tokens, grow_vocab, sft_loss
 from npformer.softmax import Softmax, cross_entropy, log_softmax, softmax
 from npformer.tokenizer import ByteBPE, CharTokenizer, WordPiece
 from npformer.train import TrainConfig, Trainer
@@ -68,6 +69,7 @@ __all__ = [
     "BERTConfig",
     "ByteBPE",
     "CharTokenizer",
+    "ChatTemplate",
     "CrossAttention",
     "Dropout",
     "Embedding",
@@ -102,6 +104,7 @@ __all__ = [
     "Softmax",
     "SparseMoE",
     "SwiGLU",
+    "TokenLogProbs",
     "TrainConfig",
     "Trainer",
     "Transformer",
@@ -110,6 +113,7 @@ __all__ = [
     "WordPiece",
     "accuracy",
     "add_lora",
+    "add_special_tokens",
     "beam_search",
     "check_module",
     "clip_grad_norm",
@@ -123,6 +127,7 @@ __all__ = [
     "generate",
     "gradcheck",
     "greedy_decode",
+    "grow_vocab",
     "load",
     "load_checkpoint",
     "load_pretrained_bert",
@@ -139,6 +144,7 @@ __all__ = [
     "save",
     "scaled_dot_product_attention",
     "sentence_embeddings",
+    "sft_loss",
     "sinusoidal_encoding",
     "smoothed_cross_entropy",
     "softmax",
