@@ -25,8 +25,10 @@ FLOPs per step (``npformer.perf.train_flops``, derived in book/performance.md); 
 GFLOP/s; MFU against the float32 matmul peak measured at the start (a 2048 x 2048
 np.matmul, best of several); the peak traced memory of a fresh npformer model + AdamW +
 one step (tracemalloc traces numpy's allocations) beside the estimate of
-``npformer.perf.formula_memory``. Last, tokens/s of npf.generate for 256 new tokens with
-and without the KV cache. The JSON also records the machine, the date of the run and
+``npformer.perf.formula_memory``. Then one DPO step (book/preferences.md: the
+policy's and the frozen reference's forward passes, the loss, the policy's backward pass,
+AdamW) against the same loss in PyTorch eager on the same weights, as a ratio. Last,
+tokens/s of npf.generate for 256 new tokens with and without the KV cache. The JSON also records the machine, the date of the run and
 the load average before and after it, and, after the timing, a profile of a few steps
 of each side: npformer's functions by self time (cProfile) and torch's aten operators by
 self CPU time (torch.profiler).
@@ -548,6 +550,72 @@ def bench_kv_cache(new_tokens: int, repeats: int, prompt_len: int = 16) -> dict:
     }
 
 
+def bench_dpo(torch, twins, warmup: int, repeats: int) -> dict:
+    """One DPO step (book/preferences.md) on the baby GPT: the policy's and the frozen
+    reference's forward passes, the DPO loss on the response tokens, the policy's backward
+    pass, clipping and AdamW; against the same loss in PyTorch eager on the same weights,
+    timed interleaved. N = 6 pairs (12 rows of T = 64), responses of 16 to 48 tokens."""
+    from npformer.preference import dpo_token_loss, token_logprobs
+    from npformer.sft import TokenLogProbs
+
+    c = npf.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, d_model=128)
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, c.vocab_size, (12, c.block_size))
+    mask = np.zeros((12, c.block_size - 1))
+    for row, n in enumerate(rng.integers(16, 49, size=12)):
+        mask[row, -n:] = 1  # the response: the last n targets
+    beta = 0.1
+    policy, reference = npf.GPT(c, seed=0).use_kernels("numpy"), npf.GPT(c, seed=1)
+    twin, twin_ref = twins["gpt_baby"](c), twins["gpt_baby"](c)
+    names = copy_weights(torch, policy, twin)
+    copy_weights(torch, reference, twin_ref)
+    ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask.astype(np.float32))
+
+    def objective(model, _batch):
+        tlp = TokenLogProbs(model)
+        loss, dlp = dpo_token_loss(tlp.forward(ids), token_logprobs(reference, ids), mask, beta)
+        return loss, tlp.dlogits(dlp)
+
+    def seq_logprob(m):  # the twin's logits, as in its loss: blocks, ln_f, the tied head
+        x = m.wte(ids_t) + m.wpe.weight[:ids_t.shape[1]]
+        for block in m.h:
+            x = block(x)
+        logp = torch.log_softmax(m.ln_f(x)[:, :-1] @ m.wte.weight.T, dim=-1)
+        return (logp.gather(-1, ids_t[:, 1:, None])[..., 0] * mask_t).sum(-1)  # (2N,)
+
+    def torch_loss(m):
+        with torch.no_grad():
+            ref = seq_logprob(twin_ref)
+        d = seq_logprob(m) - ref
+        return -torch.nn.functional.logsigmoid(beta * (d[:6] - d[6:])).mean()
+
+    case = Case(None, None, objective, torch_loss, (0.9, 0.99), 0.1, 1e-4)
+    np_step, opt = npf_stepper(case, policy)
+    t_step = torch_stepper(torch, case, twin, names, opt.decay)
+    (loss_np, norm_np), (loss_t, norm_t) = np_step(), t_step()
+    if not (math.isclose(loss_np, loss_t, rel_tol=1e-4) and
+            math.isclose(norm_np, norm_t, rel_tol=1e-3)):
+        raise SystemExit(f"dpo: first step differs: npformer {loss_np!r} {norm_np!r}, "
+                         f"torch {loss_t!r} {norm_t!r}")
+    for _ in range(warmup):
+        np_step(), t_step()
+    times: dict[str, list[float]] = {"npformer": [], "torch": []}
+    for k in range(repeats):
+        for side, step in ((("npformer", np_step), ("torch", t_step)) if k % 2 == 0 else
+                           (("torch", t_step), ("npformer", np_step))):
+            t0 = time.perf_counter()
+            step()
+            times[side].append(time.perf_counter() - t0)
+    np_ms = 1e3 * statistics.median(times["npformer"])
+    t_ms = 1e3 * statistics.median(times["torch"])
+    ratios = [a / b for a, b in zip(times["npformer"], times["torch"])]
+    return {"ratio_vs_torch": np_ms / t_ms, "npformer_ms": np_ms, "torch_ms": t_ms,
+            "ratio_range": [min(ratios), max(ratios)], "repeats": repeats, "warmup": warmup,
+            "pairs": 6, "rows": 12, "block_size": c.block_size, "beta": beta,
+            "first_loss": {"npformer": loss_np, "torch": loss_t},
+            "first_grad_norm": {"npformer": norm_np, "torch": norm_t}}
+
+
 def _numba_version() -> str | None:
     try:
         import numba
@@ -606,6 +674,11 @@ def print_table(res: dict) -> None:
               f"{r['ratio_vs_torch']:6.2f} {fused} {r['gflop_per_step']:7.3f} "
               f"{r['gflops']:8.1f} {100 * r['mfu']:5.1f}% {r['peak_mem_mb']:8.1f} "
               f"{r['formula_mem_mb']:8.1f}")
+    if "dpo" in res:
+        d = res["dpo"]
+        print(f"\nDPO step (baby GPT, {d['pairs']} pairs, policy + reference): npformer "
+              f"{d['npformer_ms']:.2f} ms, torch {d['torch_ms']:.2f} ms, "
+              f"ratio {d['ratio_vs_torch']:.2f}")
     kv = res["kv_cache"]
     print(f"\nKV cache, {kv['new_tokens']} new tokens: {kv['tokens_per_s_cache']:.0f} tok/s "
           f"with, {kv['tokens_per_s_no_cache']:.0f} tok/s without, "
@@ -653,6 +726,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{key} ...", file=sys.stderr, flush=True)
         res["configs"][key] = bench_case(torch, twins, key, case, warmup, repeats,
                                          res["matmul_peak_gflops"], args.profile_steps)
+    print("dpo ...", file=sys.stderr, flush=True)
+    res["dpo"] = bench_dpo(torch, twins, warmup, repeats)
     print("kv_cache ...", file=sys.stderr, flush=True)
     res["kv_cache"] = bench_kv_cache(256, repeats=1 if args.quick else 3)
     if args.ddp:  # its own processes, one BLAS thread each: see bench/ddp.py
