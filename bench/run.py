@@ -28,10 +28,10 @@ one step (tracemalloc traces numpy's allocations) beside the estimate of
 ``npformer.perf.formula_memory``. Then one DPO step (book/preferences.md: the
 policy's and the frozen reference's forward passes, the loss, the policy's backward pass,
 AdamW) against the same loss in PyTorch eager on the same weights, as a ratio. Last,
-tokens/s of npf.generate for 256 new tokens with and without the KV cache. The JSON also records the machine, the date of the run and
-the load average before and after it, and, after the timing, a profile of a few steps
-of each side: npformer's functions by self time (cProfile) and torch's aten operators by
-self CPU time (torch.profiler).
+tokens/s of npf.generate for 256 new tokens with and without the KV cache. The JSON also
+records the machine, the date of the run and the load average before and after it, and,
+after the timing, a profile of a few steps of each side: npformer's functions by self time
+(cProfile) and torch's aten operators by self CPU time (torch.profiler).
 """
 
 from __future__ import annotations

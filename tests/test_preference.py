@@ -9,9 +9,18 @@ import pytest
 
 import npformer as npf
 from npformer.gradcheck import numerical_gradient, relative_error
-from npformer.preference import (DPOConfig, DPOTrainer, PreferencePair, dpo_stage,
-                                 dpo_token_loss, encode_pairs, implicit_rewards,
-                                 last_positions, sample_pairs, sequence_logprob)
+from npformer.preference import (
+    DPOConfig,
+    DPOTrainer,
+    PreferencePair,
+    dpo_stage,
+    dpo_token_loss,
+    encode_pairs,
+    implicit_rewards,
+    last_positions,
+    sample_pairs,
+    sequence_logprob,
+)
 from npformer.sft import TokenLogProbs
 
 TINY = dict(vocab_size=16, block_size=16, n_layer=1, n_head=2, d_model=8)
@@ -66,8 +75,8 @@ def test_dpo_at_the_reference_is_log_2_with_gradient_minus_and_plus_beta_over_2n
     """Exact: sigmoid(0) = 1/2 and log(1 + e^0) = log 2 in floating point."""
     rng = np.random.default_rng(2)
     for N, beta in ((1, 0.1), (4, 0.1), (8, 0.5), (2, 1.0)):
-        w, l = rng.normal(-6, 3, size=N), rng.normal(-6, 3, size=N)
-        loss, dw, dl = npf.dpo_loss(w, l, w.copy(), l.copy(), beta)
+        w, lose = rng.normal(-6, 3, size=N), rng.normal(-6, 3, size=N)
+        loss, dw, dl = npf.dpo_loss(w, lose, w.copy(), lose.copy(), beta)
         assert loss == np.log(2)
         assert np.all(dw == -beta / (2 * N)) and np.all(dl == beta / (2 * N))
 

@@ -32,11 +32,19 @@ from pathlib import Path
 import numpy as np
 
 import npformer as npf
-from npformer.evaluate import Addition, accuracy, complete, exact_match
+from npformer.evaluate import Addition, accuracy, complete, exact_match, paired_difference
 from npformer.optim import AdamW, train_step
-from npformer.preference import (DPOConfig, addition_template, dpo_stage, encode_pairs,
-                                 implicit_rewards, last_positions, sample_pairs,
-                                 sequence_logprob, token_logprobs)
+from npformer.preference import (
+    DPOConfig,
+    addition_template,
+    dpo_stage,
+    encode_pairs,
+    implicit_rewards,
+    last_positions,
+    sample_pairs,
+    sequence_logprob,
+    token_logprobs,
+)
 from npformer.sft import pad_batch
 
 HERE = Path(__file__).resolve().parent
@@ -123,24 +131,12 @@ def kl_to_reference(policy, reference, template, problems, seed) -> dict:
             "k1_hi": float(k1.mean() + half), "k3": float(k3.mean())}
 
 
-def paired(a: np.ndarray, b: np.ndarray) -> dict:
-    """b minus a on the same items: the difference, a paired bootstrap 95% interval and the
-    exact McNemar p-value (npformer.evaluate.paired_difference where it exists)."""
-    import npformer.evaluate as ev
-
-    if hasattr(ev, "paired_difference"):
-        r = ev.paired_difference(b, a)
-        return {k: (float(v) if isinstance(v, (float, np.floating)) else v)
-                for k, v in vars(r).items()} if hasattr(r, "__dict__") else dict(r)
-    from math import comb
-    d = b.astype(float) - a.astype(float)
-    rng = np.random.default_rng(0)
-    boot = d[rng.integers(0, len(d), (10000, len(d)))].mean(axis=1)
-    n01, n10 = int((~a & b).sum()), int((a & ~b).sum())
-    m = n01 + n10
-    p = min(1.0, 2 * sum(comb(m, k) for k in range(min(n01, n10) + 1)) / 2 ** m) if m else 1.0
-    return {"diff": float(d.mean()), "lo": float(np.quantile(boot, 0.025)),
-            "hi": float(np.quantile(boot, 0.975)), "gained": n01, "lost": n10, "p_mcnemar": p}
+def paired(before: np.ndarray, after: np.ndarray) -> dict:
+    """after minus before on the same items (npformer.evaluate.paired_difference): the
+    difference, its paired bootstrap 95% interval and the exact McNemar p-value."""
+    r = paired_difference(after, before)
+    return {"diff": r.diff, "lo": r.lo, "hi": r.hi, "p_mcnemar": r.p_value,
+            "gained": r.a_only, "lost": r.b_only, "n": r.n}
 
 
 def main() -> None:
