@@ -309,3 +309,57 @@ def test_forward_packed_with_one_segment_is_forward():
     for k, g in _grads(model).items():
         np.testing.assert_allclose(packed[k], g, rtol=0, atol=1e-12, err_msg=k)
     assert all("attend" not in vars(block.attn) for block in model.h)  # restored
+
+
+# ---- the training stage ----------------------------------------------------------------
+
+def _stage_config(**changes):
+    from npformer.sft import SFTConfig
+    return SFTConfig(**{**dict(steps=6, batch_size=4, n_train=40, n_val=4, warmup_steps=2,
+                               eval_interval=3), **changes})
+
+
+@pytest.fixture(scope="module")
+def base_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base") / "base.safetensors"
+    return npf.save(_perturb(_gpt(dtype="float32"), scale=0.02), path)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_stage_resumes_bit_exactly(base_path, tmp_path, lora_rank):
+    from npformer.sft import SFTTrainer
+    config = _stage_config(lora_rank=lora_rank)
+    straight = SFTTrainer.start(base_path, config)
+    straight.fit()
+    first = SFTTrainer.start(base_path, config)
+    first.fit(until=3, checkpoint_path=tmp_path / "sft.safetensors")
+    resumed = SFTTrainer.resume(tmp_path / "sft.safetensors")
+    assert resumed.step == 3 and resumed.config == config
+    resumed.fit()
+    assert resumed.step == straight.step == 6
+    for (n, p, _), (m, q, _) in zip(straight.model.named_parameters(include_frozen=True),
+                                    resumed.model.named_parameters(include_frozen=True)):
+        assert n == m and np.array_equal(p, q), n
+    a, b = straight.optimizer.state_dict(), resumed.optimizer.state_dict()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    trained = {n for n, _, _ in resumed.model.named_parameters()}
+    assert "wte.W" in trained  # LoRA runs train the grown embedding too
+    assert (len(trained) > 1) if lora_rank == 0 else all(
+        n == "wte.W" or "lora_" in n for n in trained)
+
+
+def test_stage_starts_from_the_previous_checkpoint_with_the_grown_vocabulary(base_path):
+    from npformer.sft import SFTTrainer
+    base = npf.load(base_path)
+    trainer = SFTTrainer.start(base_path, _stage_config())
+    assert trainer.model.config.vocab_size == 16
+    assert np.array_equal(trainer.model.wte.W[:13], base.wte.W)
+    records = trainer.fit()
+    assert records[0]["val"] is not None and records[-1]["val"] is not None
+    assert all(np.isfinite(r["loss"]) for r in records[1:])
+
+
+def test_stage_rejects_a_checkpoint_it_did_not_write(base_path):
+    from npformer.sft import SFTTrainer
+    with pytest.raises(ValueError, match="^path: expected a checkpoint written by SFTTrainer"):
+        SFTTrainer.resume(base_path)

@@ -81,7 +81,15 @@ from npformer.rl import (
 )
 from npformer.sampling import generate
 from npformer.seq2seq import beam_search, greedy_decode
-from npformer.sft import ChatTemplate, TokenLogProbs, add_special_tokens, grow_vocab, sft_loss
+from npformer.sft import (
+    ChatTemplate,
+    SFTConfig,
+    SFTTrainer,
+    TokenLogProbs,
+    add_special_tokens,
+    grow_vocab,
+    sft_loss,
+)
 from npformer.softmax import Softmax, cross_entropy, log_softmax, softmax
 from npformer.tokenizer import ByteBPE, CharTokenizer, WordPiece
 from npformer.train import TrainConfig, Trainer
@@ -129,6 +137,8 @@ __all__ = [
     "ReLU",
     "RewardModel",
     "RoPE",
+    "SFTConfig",
+    "SFTTrainer",
     "SGD",
     "SiLU",
     "Softmax",
