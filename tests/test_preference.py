@@ -289,3 +289,39 @@ def test_dpo_stage_writes_and_resumes_its_run_folder(tmp_path):
     for (name, a, _), (_, b, _) in zip(whole.policy.named_parameters(),
                                        second.policy.named_parameters()):
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+# ------------------------------------------------------------------ the strict device
+def test_dpo_and_bradley_terry_steps_on_the_strict_device_equal_the_host():
+    """The CuPy stand-in of book/gpu.md: the same steps give the same weights, and each
+    step reads from the device twice (the loss and the gradient norm)."""
+    from npformer.device import to_device, to_host
+    from npformer.optim import AdamW, train_step
+    from npformer.strict import Strict, register
+
+    register()
+    weights, reads = {}, {}
+    for device in ("cpu", "strict"):
+        trainer = DPOTrainer(_gpt(0).to(device), _gpt(1).to(device), _template(), PAIRS,
+                             DPOConfig(steps=2, batch_pairs=4, warmup_steps=0, lr=1e-2))
+        Strict.reads = 0
+        trainer.fit()
+        reads[device] = Strict.reads
+        rm = npf.RewardModel.from_gpt(_gpt(2), seed=0).to(device)
+        opt = AdamW(rm.named_parameters(), lr=1e-2)
+        ids, mask = encode_pairs(_template(), PAIRS)
+        ids, last = to_device(ids, device), to_device(last_positions(mask), device)
+
+        def bt(model, rows):
+            r = model.forward(ids, last)
+            loss, dw, dl = npf.bradley_terry_loss(r[:4], r[4:])
+            return loss, np.concatenate([dw, dl])
+
+        train_step(rm, opt, bt, None, max_norm=1.0)
+        weights[device] = {n: to_host(p) for n, p, _ in [
+            *trainer.policy.named_parameters(), *(("rm." + n, p, g) for n, p, g in
+                                                 rm.named_parameters())]}
+    assert reads["strict"] <= 2 * 2
+    for name, p in weights["cpu"].items():
+        np.testing.assert_allclose(weights["strict"][name], p, rtol=1e-10, atol=1e-11,
+                                   err_msg=name)
