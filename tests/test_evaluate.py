@@ -235,6 +235,8 @@ def test_choice_logprob_sums_the_options_tokens_and_normalise_divides_by_length(
     assert np.array_equal(multiple_choice(model, TOK, prompts, options), logp.argmax(1))
     assert np.array_equal(multiple_choice(model, TOK, prompts, options, normalise=True),
                           (logp / length).argmax(1))
+    assert multiple_choice(model, TOK, prompts[1], options[1], True) == \
+        (logp / length).argmax(1)[1]
 
 
 # --- bad inputs --------------------------------------------------------------------------
@@ -253,6 +255,7 @@ def test_choice_logprob_sums_the_options_tokens_and_normalise_divides_by_length(
     (lambda: complete(tiny_gpt(), TOK, ["1"], max_new_tokens=2, temperature=-1),
      "temperature"),
     (lambda: choice_logprob(tiny_gpt(), TOK, ["1="], [["1"], ["2"]]), "options"),
+    (lambda: choice_logprob(tiny_gpt(), TOK, ["1="], [["1", ""]]), "options"),
     (lambda: multiple_choice(tiny_gpt(), TOK, ["1="], [["1"]], normalise=1), "normalise"),
 ])
 def test_bad_input_raises_value_error_naming_the_argument(call, name):
@@ -303,3 +306,21 @@ def test_committed_choice_scores_match_choice_logprob(committed):
                                  [script.candidates(p, end) for p in items])
         # float32 forward passes: BLAS kernels differ between CPUs, so within 1e-4 nats
         assert np.allclose(logp, log["choice_logp"][name][:20], rtol=0, atol=1e-4)
+
+
+# --- on the strict CuPy stand-in ---------------------------------------------------------
+
+def test_evaluation_on_the_strict_device_equals_the_host():
+    from npformer.strict import register
+
+    register()
+    host, dev = tiny_gpt(seed=6), tiny_gpt(seed=6).to("strict")
+    prompts = ["12+5=", "3+4=", "99+9="]
+    for kw in (dict(), dict(temperature=1.0, n=2, seed=1)):
+        assert complete(dev, TOK, prompts, max_new_tokens=5, **kw) == \
+            complete(host, TOK, prompts, max_new_tokens=5, **kw)
+    ids = np.random.default_rng(0).integers(0, 13, size=(2, 7))
+    assert np.allclose(token_nats(dev, ids), token_nats(host, ids), rtol=1e-12, atol=0)
+    options = [["17\n", "1\n"], ["7\n", "8\n"], ["108\n", "10\n"]]
+    assert np.allclose(choice_logprob(dev, TOK, prompts, options)[0],
+                       choice_logprob(host, TOK, prompts, options)[0], rtol=1e-12, atol=0)
