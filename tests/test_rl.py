@@ -343,7 +343,7 @@ def test_addition_reward_grades_the_text_before_end(tmp_path):
     finished = np.array([True, False, True, True])
     ro = npf.rl.Rollout(ids, mask, np.zeros_like(mask), finished, np.full(4, len(prompt)))
     trainer.config.group_size = 4
-    np.testing.assert_array_equal(trainer.rewards(problems, ro), [1.0, 0.0, 0.0, 1.0])
+    np.testing.assert_array_equal(trainer.rewards(problems, ro), [1.0, 0.0, 0.0, 0.0])
 
 
 def test_config_bad_values():
@@ -351,3 +351,30 @@ def test_config_bad_values():
         npf.GRPOConfig(group_size=0)
     with pytest.raises(ValueError, match="^clip: expected"):
         npf.GRPOConfig(clip=0.0)
+
+
+def test_a_grpo_step_on_the_strict_device_equals_the_host(tmp_path):
+    """The step's arrays on the strict array (CuPy's rules): the same samples, rewards and
+    updates as on the host; the updates read the device twice each (loss, gradient norm)."""
+    from npformer.device import to_host
+    from npformer.strict import Strict, register
+
+    register()
+    path = _stand_in(tmp_path, dtype="float64")
+    runs = {}
+    for device in ("cpu", "strict"):
+        model, ref = npf.load(path).to(device), npf.load(path).to(device)
+        trainer = _FirstDigitEven(model, ref, _config(steps=2))
+        Strict.reads = 0
+        runs[device] = (trainer.fit(), {n: to_host(p) for n, p, _ in
+                                        trainer.model.named_parameters()}, Strict.reads)
+    (host_log, host_p, _), (dev_log, dev_p, reads) = runs["cpu"], runs["strict"]
+    assert [r["reward"] for r in dev_log] == [r["reward"] for r in host_log]
+    np.testing.assert_allclose([r["loss"] for r in dev_log], [r["loss"] for r in host_log],
+                               rtol=1e-12)
+    for name in host_p:
+        np.testing.assert_allclose(dev_p[name], host_p[name], rtol=1e-10, atol=1e-11,
+                                   err_msg=name)
+    # per step: one read per sampled token of each prompt length (3 x 4), two per update
+    # (2 x 2), and the log record's copies; 20 measured
+    assert 0 < reads <= 2 * 20
