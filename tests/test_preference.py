@@ -325,3 +325,28 @@ def test_dpo_and_bradley_terry_steps_on_the_strict_device_equal_the_host():
     for name, p in weights["cpu"].items():
         np.testing.assert_allclose(weights["strict"][name], p, rtol=1e-10, atol=1e-11,
                                    err_msg=name)
+
+
+# ------------------------------------------------------------------ the committed run
+def test_committed_dpo_run_matches_its_log():
+    """book/data/addition_dpo.py's log against its weights: greedy exact match of the
+    fine-tuned and of the DPO model on the first 100 test items, item by item (BLAS
+    rounding differs between CPUs, so up to 2 of 100 greedy answers may differ), and the
+    pairs' prompts disjoint from each other and from the test set."""
+    from pathlib import Path
+
+    from npformer.evaluate import exact_match
+
+    data = Path(__file__).resolve().parents[1] / "book" / "data"
+    log = json.loads((data / "addition_dpo.json").read_text())
+    assert log["prompt_overlap"] == 0 and log["test_overlap"] == 0
+    assert log["task"]["before"]["n"] == log["task"]["after"]["n"] == 1000
+    task, template = npf.Addition(), _template()
+    test = task.test_set()[:100]
+    for name, bits in (("addition_sft", "before_bits"), ("addition_dpo", "after_bits")):
+        model = npf.load(data / f"{name}.safetensors")
+        correct, _ = exact_match(model, template.tok, test, template.grader(task),
+                                 render=lambda p: template.prompt(p.prompt),
+                                 stop=template.end)
+        logged = np.array([c == "1" for c in log["task"][bits][:100]])
+        assert (correct != logged).sum() <= 2, name

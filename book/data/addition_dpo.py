@@ -51,14 +51,10 @@ HERE = Path(__file__).resolve().parent
 SFT, LOG = HERE / "addition_sft.safetensors", HERE / "addition_dpo.json"
 WEIGHTS = HERE / "addition_dpo.safetensors"
 TRAIN_PROMPTS, HELD_PROMPTS, SAMPLES, SEED = 2000, 600, 8, 0
-DPO = DPOConfig(steps=300, batch_pairs=32, beta=0.1, lr=5e-5, min_lr=5e-6, warmup_steps=10,
+DPO = DPOConfig(steps=300, batch_pairs=32, beta=0.1, lr=1e-5, min_lr=1e-6, warmup_steps=10,
                 eval_interval=20, seed=0)
-RM = dict(steps=300, batch_pairs=32, lr=1e-4, eval_interval=20, seed=0)
+RM = dict(steps=400, batch_pairs=32, lr=1e-3, eval_interval=25, seed=0)
 KL_SAMPLES = 4  # samples per held-out prompt for the KL estimate
-
-
-def grade(task):
-    return lambda p, c: task.grade(p, c.split("<|end|>", 1)[0])
 
 
 def held_out_problems(task, train):
@@ -153,7 +149,7 @@ def main() -> None:
                               seed=SEED + 4000)
     test = task.test_set()
     render = lambda p: template.prompt(p.prompt)  # noqa: E731
-    before, _ = exact_match(sft, template.tok, test, grade(task), render=render,
+    before, _ = exact_match(sft, template.tok, test, template.grader(task), render=render,
                             stop=template.end)
     hids, hmask = encode_pairs(template, held_pairs)
     with tempfile.TemporaryDirectory() as run:
@@ -171,7 +167,7 @@ def main() -> None:
     npf.save(policy, WEIGHTS)  # the weights alone: the chapter samples them
     start = {"step": 0, "accuracy": None, "margin_mean": 0.0, "chosen_mean": 0.0,
              "rejected_mean": 0.0}  # pi = pi_ref: every implicit reward 0, every pair a tie
-    after, _ = exact_match(policy, template.tok, test, grade(task), render=render,
+    after, _ = exact_match(policy, template.tok, test, template.grader(task), render=render,
                            stop=template.end)
     kl = kl_to_reference(policy, sft, template, held_problems, seed=SEED + 5000)
     kl_sft = kl_to_reference(sft, sft, template, held_problems[:50], seed=SEED + 5000)
