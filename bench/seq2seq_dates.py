@@ -1,9 +1,16 @@
 """Train the encoder-decoder of book/seq2seq.md on the date task; log as JSON, save weights.
 
-The full run quoted in the chapter (which trains the same model for its first 1000 steps):
+The full run quoted in the chapter:
 
     OPENBLAS_NUM_THREADS=1 python bench/seq2seq_dates.py --steps 20000 \
         --out book/data/seq2seq_dates.json --weights book/data/seq2seq_dates.safetensors
+
+and the chapter's run of 1000 steps, the first steps of the same run evaluated every 250
+(the chapter re-runs its first 100 steps and reads the rest from these files):
+
+    OPENBLAS_NUM_THREADS=1 python bench/seq2seq_dates.py --steps 1000 --eval-every 250 \
+        --out book/data/seq2seq_dates_1000.json \
+        --weights book/data/seq2seq_dates_1000.safetensors
 
 (One BLAS thread: these matrices are small, and on a shared machine a multithreaded
 BLAS spends its time waiting for cores.)

@@ -4,7 +4,9 @@ Each checkpoint is small, loads with ``npf.load`` and is the model its log descr
 re-run of the first steps of the script that trained it (bench/gpt_baby.py,
 bench/seq2seq_dates.py) gives the training losses of the committed log. The date model's
 weights are those its run kept by validation exact match; its test accuracy is checked by
-decoding the test pairs, which played no part in that choice.
+decoding the test pairs, which played no part in that choice. The date chapter's own
+1000-step run (seq2seq_dates_1000.*, the same script) is the start of the full run, and
+its weights after step 1000 decode the validation pairs as its log says.
 
 A log is bit-exact only on the machine that wrote it: BLAS kernels, and so the rounding of
 float32 matrix products, differ between CPUs, and AdamW amplifies a last-bit difference a
@@ -113,8 +115,45 @@ def test_date_checkpoint_is_the_first_best_validation_evaluation():
     assert npf.load_checkpoint(DATA / "seq2seq_dates.safetensors").step == first_best["step"]
 
 
-def test_date_model_first_steps_match_the_log():
-    log = _log("seq2seq_dates")
+@pytest.mark.parametrize("name", ["seq2seq_dates", "seq2seq_dates_1000"])
+def test_date_model_first_steps_match_the_log(name):
+    log = _log(name)
     losses = _bench("seq2seq_dates").first_losses(FIRST_STEPS)
     np.testing.assert_allclose(losses, log["train_loss"][:FIRST_STEPS], rtol=0,
                                atol=FIRST_STEPS_ATOL)
+
+
+def test_date_1000_step_run_is_the_start_of_the_full_run():
+    """The chapter's 1000 steps: the full run's setup, evaluated every 250 steps; the weights
+    kept are those after step 1000 (its best evaluation), and the losses follow the full
+    run's within the drift of float32 rounding between machines."""
+    short, full = _log("seq2seq_dates_1000"), _log("seq2seq_dates")
+    assert short["config"] == full["config"] and short["data"] == full["data"]
+    assert {k: v for k, v in short["optim"].items() if k != "steps"} == \
+        {k: v for k, v in full["optim"].items() if k != "steps"}
+    assert short["optim"]["steps"] == len(short["train_loss"]) == 1000
+    assert [e["step"] for e in short["evals"]] == [250, 500, 750, 1000]
+    assert short["selected"]["step"] == 1000
+    assert npf.load_checkpoint(DATA / "seq2seq_dates_1000.safetensors").step == 1000
+    np.testing.assert_allclose(short["train_loss"], full["train_loss"][:1000], atol=0.2)
+    both = {e["step"]: e["validation_exact_match"] for e in full["evals"]}
+    for e in short["evals"]:  # the two runs' evaluations at the steps they share
+        if e["step"] in both:
+            assert e["validation_exact_match"] == pytest.approx(both[e["step"]], abs=0.05)
+
+
+def test_date_1000_step_weights_decode_the_validation_pairs_as_logged():
+    from npformer.seq2seq import date_vocabs, held_out_split, translate
+
+    log = _log("seq2seq_dates_1000")
+    path = DATA / "seq2seq_dates_1000.safetensors"
+    assert path.stat().st_size < MAX_BYTES
+    model = npf.load(path).eval()
+    assert {k: getattr(model.config, k) for k in log["config"]} == log["config"]
+    src_vocab, tgt_vocab = date_vocabs()
+    (texts, labels), _ = held_out_split()
+    outs = []
+    for i in range(0, len(texts), 500):
+        outs += translate(model, texts[i:i + 500], src_vocab, tgt_vocab)
+    exact = float(np.mean([o == y for o, y in zip(outs, labels)]))
+    assert exact == pytest.approx(log["evals"][-1]["validation_exact_match"], abs=1e-3)
