@@ -2,11 +2,14 @@
 embedding, token log-probabilities and their backward pass, the response-only loss, and
 padding and packing, which leave the loss and its gradients unchanged."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import npformer as npf
-from npformer.evaluate import Addition
+from npformer.evaluate import Addition, exact_match
 from npformer.gradcheck import relative_error
 from npformer.optim import AdamW
 from npformer.sft import (
@@ -359,7 +362,87 @@ def test_stage_starts_from_the_previous_checkpoint_with_the_grown_vocabulary(bas
     assert all(np.isfinite(r["loss"]) for r in records[1:])
 
 
+def test_stage_stops_when_asked_saves_and_logs(base_path, tmp_path):
+    from npformer.sft import SFTTrainer
+    trainer = SFTTrainer.start(base_path, _stage_config())
+    calls = iter(range(100))
+    ckpt, log = tmp_path / "run.safetensors", tmp_path / "log.jsonl"
+    trainer.fit(checkpoint_path=ckpt, log_path=log, should_stop=lambda: next(calls) >= 2)
+    assert trainer.step == 2 and SFTTrainer.resume(ckpt).step == 2
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2] and lines[0]["val"] is not None
+
+
 def test_stage_rejects_a_checkpoint_it_did_not_write(base_path):
     from npformer.sft import SFTTrainer
     with pytest.raises(ValueError, match="^path: expected a checkpoint written by SFTTrainer"):
         SFTTrainer.resume(base_path)
+
+
+# ---- on the strict device (the GPU path) -----------------------------------------------
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sft_step_on_the_strict_device_equals_the_host(packed):
+    """grow_vocab, TokenLogProbs, sft_loss (and packing) under CuPy's rules: two AdamW steps
+    on the strict stand-in equal the host's to a few roundings (float64)."""
+    from npformer.device import to_device, to_host
+    from npformer.optim import train_step
+    from npformer.strict import Strict, register
+    register()
+    rows = _examples(npf.ChatTemplate(_tok()), 6)
+    ids, mask, seg = pack_rows(rows, 32) if packed else (*pad_batch(rows, 15), None)
+
+    def run(device):
+        model = npf.grow_vocab(_perturb(_gpt(block_size=32)).to(device), 16)
+        opt = AdamW(model.named_parameters(), lr=1e-2)
+        batch = tuple(None if a is None else to_device(a, device) for a in (ids, mask, seg))
+
+        def objective(m, b):
+            tlp = npf.TokenLogProbs(m)
+            loss, dlp = npf.sft_loss(tlp.forward(b[0], b[2]), b[1][:, 1:])
+            return loss, tlp.dlogits(dlp)
+        losses = []
+        for _ in range(2):
+            if packed:  # backward_packed instead of model.backward: a wrapper model
+                losses.append(_packed_step(model, opt, objective, batch))
+            else:
+                losses.append(train_step(model, opt, objective, batch, max_norm=0.5)[0])
+        return losses, {n: to_host(p) for n, p, _ in model.named_parameters()}
+
+    host_losses, host = run("cpu")
+    Strict.reset()
+    dev_losses, dev = run("strict")
+    np.testing.assert_allclose(dev_losses, host_losses, rtol=1e-12)
+    for name in host:
+        np.testing.assert_allclose(dev[name], host[name], rtol=1e-10, atol=1e-11, err_msg=name)
+
+
+def _packed_step(model, opt, objective, batch):
+    from npformer.device import read_host
+    model.zero_grad()
+    tlp = npf.TokenLogProbs(model)
+    loss, dlp = npf.sft_loss(tlp.forward(batch[0], batch[2]), batch[1][:, 1:])
+    tlp.backward(dlp)
+    opt.step()
+    return read_host(loss)[0]
+
+
+# ---- the committed run (book/data/addition_sft.py) ---------------------------------------
+
+DATA = Path(__file__).resolve().parents[1] / "book" / "data"
+
+
+def test_committed_sft_checkpoint_gives_the_logged_test_results():
+    """The first 100 test items, graded greedily in the template, as the log records them."""
+    log = json.loads((DATA / "addition_sft.json").read_text())
+    model = npf.load(DATA / "addition_sft.safetensors")
+    template = npf.ChatTemplate(_tok())
+    task = Addition()
+    problems = task.test_set()[:100]
+    correct, _ = exact_match(model, template.tok, problems, template.grader(task),
+                             render=lambda p: template.prompt(p.prompt), stop=template.end,
+                             max_new_tokens=6)
+    assert "".join("1" if c else "0" for c in correct) == log["correct"]["sft"][:100]
+    assert model.config.vocab_size == 16 and log["accuracy"]["sft"]["n"] == 1000
+    k = log["correct"]["sft"].count("1")
+    assert log["accuracy"]["sft"]["k"] == k

@@ -3,8 +3,9 @@
 Starts from book/data/addition_base.safetensors (plain sums "347+85=432\\n"), grows its
 vocabulary by <|user|>, <|assistant|>, <|end|> and fine-tunes it on templated sums
 "<|user|>347+85<|assistant|>432<|end|>" with the loss on the response only, twice on the
-same budget (steps, examples, batches): every weight (full fine-tuning), and LoRA
-adapters on the attention's query and value plus the grown embedding. Each model is graded
+same budget (steps, examples, batches): every weight (full fine-tuning), LoRA adapters
+on the attention's query and value plus the grown embedding, and LoRA adapters on every
+linear layer plus the grown embedding. Each model is graded
 greedily on the Addition test set (1000 items never trained on). Writes
 
 - book/data/addition_sft.safetensors: the fully fine-tuned model (npf.load), the start of
@@ -39,6 +40,9 @@ BASE = HERE / "addition_base.safetensors"
 WEIGHTS, LOG = HERE / "addition_sft.safetensors", HERE / "addition_sft.json"
 FULL = SFTConfig(steps=800, lr=3e-3, min_lr=3e-4)
 LORA = SFTConfig(steps=800, lr=1e-2, min_lr=1e-3, lora_rank=8, lora_alpha=16.0)
+LORA_ALL = SFTConfig(steps=800, lr=1e-2, min_lr=1e-3, lora_rank=8, lora_alpha=16.0,
+                     lora_targets="attn.qkv,attn.proj,mlp.fc,mlp.proj")
+SHOWN = range(0, 1000, 125)  # test items whose completions the log keeps
 MAX_NEW = 6  # the longest answer (4 digits), the stop, and room for one more
 
 
@@ -78,7 +82,8 @@ def run(config: SFTConfig):
     records = trainer.fit()
     seconds = time.perf_counter() - t0
     curve = [{"step": r["step"], "loss": r["loss"], "val": r["val"]} for r in records]
-    print(f"rank {config.lora_rank}: {seconds:.0f} s, val {curve[-1]['val']:.3f}")
+    print(f"rank {config.lora_rank} {config.lora_targets}: {seconds:.0f} s, "
+          f"val {curve[-1]['val']:.3f}", flush=True)
     return trainer, curve, seconds
 
 
@@ -101,27 +106,34 @@ def main() -> None:
                                                            problems)
     lora, lora_curve, lora_s = run(LORA)
     lora_strict, _, _ = evaluate_template(lora.model, template, task, problems)
+    lora_all, lora_all_curve, lora_all_s = run(LORA_ALL)
+    lora_all_strict, _, _ = evaluate_template(lora_all.model, template, task, problems)
     n_trainable = {name: sum(p.size for _, p, _ in t.model.named_parameters())
-                   for name, t in (("full", full), ("lora", lora))}
+                   for name, t in (("full", full), ("lora", lora), ("lora_all", lora_all))}
 
     LOG.write_text(json.dumps({
-        "configs": {"full": asdict(FULL), "lora": asdict(LORA)},
+        "configs": {"full": asdict(FULL), "lora": asdict(LORA), "lora_all": asdict(LORA_ALL)},
         "trainable_parameters": n_trainable,
-        "curves": {"full": full_curve, "lora": lora_curve},
-        "train_seconds": {"full": round(full_s, 1), "lora": round(lora_s, 1)},
+        "curves": {"full": full_curve, "lora": lora_curve, "lora_all": lora_all_curve},
+        "train_seconds": {"full": round(full_s, 1), "lora": round(lora_s, 1),
+                          "lora_all": round(lora_all_s, 1)},
         "accuracy": {
             "base_plain": acc(base_plain), "base_template": acc(base_strict),
             "base_template_lenient": acc(base_lenient), "sft": acc(sft_strict),
-            "sft_lenient": acc(sft_lenient), "lora": acc(lora_strict)},
+            "sft_lenient": acc(sft_lenient), "lora": acc(lora_strict),
+            "lora_all": acc(lora_all_strict)},
         "paired": {
             "sft_vs_base_template": paired(sft_strict, base_strict),
             "sft_vs_base_plain": paired(sft_strict, base_plain),
-            "sft_vs_lora": paired(sft_strict, lora_strict)},
+            "sft_vs_lora": paired(sft_strict, lora_strict),
+            "sft_vs_lora_all": paired(sft_strict, lora_all_strict),
+            "lora_all_vs_lora": paired(lora_all_strict, lora_strict)},
         "correct": {"base_plain": bits(base_plain), "base_template": bits(base_strict),
                     "base_template_lenient": bits(base_lenient), "sft": bits(sft_strict),
-                    "lora": bits(lora_strict)},
-        "examples": {"base_template": base_comps[:8], "sft": sft_comps[:8],
-                     "prompts": [p.prompt for p in problems[:8]]},
+                    "lora": bits(lora_strict), "lora_all": bits(lora_all_strict)},
+        "examples": {"base_template": [base_comps[i] for i in SHOWN],
+                     "sft": [sft_comps[i] for i in SHOWN],
+                     "prompts": [problems[i].prompt for i in SHOWN]},
         "seconds": round(time.perf_counter() - start, 1),
         "machine": platform.processor() or platform.machine(),
         "python": sys.version.split()[0], "numpy": np.__version__}, indent=1) + "\n")
