@@ -8,6 +8,8 @@ tokens, in float64: expectations are finite sums, not samples.
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -378,3 +380,37 @@ def test_a_grpo_step_on_the_strict_device_equals_the_host(tmp_path):
     # per step: one read per sampled token of each prompt length (3 x 4), two per update
     # (2 x 2), and the log record's copies; 20 measured
     assert 0 < reads <= 2 * 20
+
+
+# --- the committed run (book/data/addition_rl.py) -----------------------------------------
+
+DATA = Path(__file__).resolve().parents[1] / "book" / "data"
+
+
+@pytest.fixture(scope="module")
+def run_log():
+    return json.loads((DATA / "addition_rl.json").read_text())
+
+
+def test_the_run_starts_as_logged(run_log):
+    """The first step from the fine-tuned checkpoint, re-run: the same batch's reward, and its
+    loss within a relative 1e-4 (BLAS kernels differ between CPUs)."""
+    trainer = npf.GRPOTrainer.start(DATA / "addition_sft.safetensors",
+                                    npf.GRPOConfig(**run_log["config"]))
+    first = trainer.train_step()
+    assert first["reward"] == run_log["steps"][0]["reward"]
+    np.testing.assert_allclose(first["loss"], run_log["steps"][0]["loss"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("which, model", [(0, "addition_sft"), (-1, "addition_rl")])
+def test_the_logged_greedy_grades_of_the_first_100_test_sums(run_log, which, model):
+    ev = run_log["evals"][which]
+    trainer = npf.GRPOTrainer.start(DATA / "addition_sft.safetensors", npf.GRPOConfig())
+    template, task = trainer.template, trainer.task
+    problems = task.test_set()[:100]
+    correct, _ = npf.exact_match(npf.load(DATA / f"{model}.safetensors"), template.tok,
+                                 problems, template.grader(task),
+                                 render=lambda p: template.prompt(p.prompt),
+                                 stop=template.end, max_new_tokens=6)
+    logged = np.array([c == "1" for c in ev["greedy"][:100]])
+    assert np.mean(correct != logged) <= 0.02  # a near tie may flip on another CPU

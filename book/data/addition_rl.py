@@ -7,8 +7,9 @@ test item). Every EVERY steps it evaluates on the 1000 sums of the Addition test
 exact match, and N_SAMPLES completions of each sum at temperature 1, whose counts of correct
 answers give pass@1 and pass@N_SAMPLES (Chen et al.'s estimator). Writes
 book/data/addition_rl.json: the configuration, each step's record (mean reward, KL, ...), the
-evaluations, the per-item grades of the fine-tuned and the final model, a few samples, the
-machine, the versions and the seconds. Run from the repository root, on one core:
+evaluations (per-item grades, from the fine-tuned model at step 0 to the final one), a few
+samples, the machine, the versions and the seconds; and the final weights,
+book/data/addition_rl.safetensors. Run from the repository root, on one core:
 
     OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python book/data/addition_rl.py
 
@@ -31,6 +32,7 @@ from npformer.rl import GRPOConfig, GRPOTrainer
 
 HERE = Path(__file__).resolve().parent
 START, LOG = HERE / "addition_sft.safetensors", HERE / "addition_rl.json"
+WEIGHTS = HERE / "addition_rl.safetensors"  # the final policy, without the optimiser
 CKPT = Path("/tmp/addition_rl.safetensors")
 CONFIG = dict(steps=200, prompts=16, group_size=8, updates=2, max_new_tokens=6, lr=1e-4,
               clip=0.2, beta=0.04, seed=0, checkpoint_interval=25)
@@ -92,6 +94,7 @@ def main() -> None:
                machine=platform.machine(), processor=platform.processor(),
                python=platform.python_version(), numpy=np.__version__)
     LOG.write_text(json.dumps(log, indent=1) + "\n")
+    npf.save(trainer.model, WEIGHTS)
     LOG.with_suffix(".partial.json").unlink(missing_ok=True)
     print(f"wrote {LOG} in {log['seconds']} s")
 
