@@ -565,7 +565,8 @@ def bench_dpo(torch, twins, warmup: int, repeats: int) -> dict:
     for row, n in enumerate(rng.integers(16, 49, size=12)):
         mask[row, -n:] = 1  # the response: the last n targets
     beta = 0.1
-    policy, reference = npf.GPT(c, seed=0).use_kernels("numpy"), npf.GPT(c, seed=1)
+    policy = npf.GPT(c, seed=0).use_kernels("numpy")  # the book's NumPy listings, both
+    reference = npf.GPT(c, seed=1).use_kernels("numpy")
     twin, twin_ref = twins["gpt_baby"](c), twins["gpt_baby"](c)
     names = copy_weights(torch, policy, twin)
     copy_weights(torch, reference, twin_ref)
