@@ -316,6 +316,15 @@ def test_resume_is_bit_exact(tmp_path):
     assert [r["loss"] for r in resumed_log] == [r["loss"] for r in straight_log[2:]]
 
 
+def test_a_stop_request_saves_and_the_run_resumes_from_there(tmp_path):
+    start, ckpt = _stand_in(tmp_path), tmp_path / "ckpt.safetensors"
+    trainer = _FirstDigitEven.start(start, _config(checkpoint_interval=10))
+    assert len(trainer.fit(checkpoint_path=ckpt, should_stop=lambda: True)) == 1
+    resumed = _FirstDigitEven.resume(ckpt)
+    assert resumed.step == 1
+    np.testing.assert_array_equal(_weights(resumed.model), _weights(trainer.model))
+
+
 def test_resume_refuses_another_reference(tmp_path):
     start = _stand_in(tmp_path)
     trainer = _FirstDigitEven.start(start, _config(steps=1))
