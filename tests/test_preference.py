@@ -285,6 +285,8 @@ def test_dpo_stage_writes_and_resumes_its_run_folder(tmp_path):
     second = dpo_stage(start, tmp_path / "run")  # resumes: config from the checkpoint
     assert second.step == 4
     assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 2
+    longer = dpo_stage(start, tmp_path / "run", DPOConfig(steps=6, warmup_steps=1))
+    assert longer.step == 6 and longer.config.batch_pairs == 4  # the run's own config
     whole = dpo_stage(start, tmp_path / "whole", config)
     for (name, a, _), (_, b, _) in zip(whole.policy.named_parameters(),
                                        second.policy.named_parameters()):
