@@ -16,6 +16,7 @@ from npformer.models.encoder import Encoder, EncoderConfig
 from npformer.models.gpt import GPT, GPTConfig
 from npformer.models.llama import Llama, LlamaConfig
 from npformer.models.transformer import Transformer, TransformerConfig
+from npformer.preference import RewardModel
 
 PACKAGE = Path(npformer.__file__).resolve().parent
 
@@ -32,9 +33,13 @@ MODELS = {
     "Llama": lambda: Llama(LlamaConfig(vocab_size=13, block_size=6, n_layer=2, n_head=2,
                                        n_kv_head=1, d_model=8, d_ff=16, n_expert=4,
                                        dtype="float64"), seed=0),
+    "RewardModel": lambda: RewardModel(GPTConfig(vocab_size=13, block_size=6, n_layer=2,
+                                                 n_head=2, d_model=8, dtype="float64"), seed=0),
 }
 IDS = np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
-INPUTS = {"Transformer": (IDS, IDS[:, :4])}  # an encoder-decoder reads a source and a target
+INPUTS = {"Transformer": (IDS, IDS[:, :4]),  # an encoder-decoder reads a source and a target
+          "RewardModel": (IDS, np.array([4, 2]))}  # and a reward model where to read: (B,)
+SCORES_SEQUENCES = {"RewardModel"}  # one number per sequence, and no next-token path
 
 
 def test_every_model_class_in_the_package_is_covered():
@@ -97,7 +102,8 @@ def test_check_ids_is_public_and_names_bad_ids(name):
             model.check_ids(bad)
 
 
-@pytest.mark.parametrize("name", [n for n in MODELS if hasattr(MODELS[n](), "new_cache")])
+@pytest.mark.parametrize("name", [n for n in MODELS if hasattr(MODELS[n](), "new_cache")
+                                  and n not in SCORES_SEQUENCES])
 def test_a_decoder_gives_the_same_logits_one_token_at_a_time(name):
     model = MODELS[name]().eval()
     *source, ids = INPUTS.get(name, (IDS,))  # the encoder-decoder's cache holds its source
