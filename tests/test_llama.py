@@ -13,7 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 import npformer as npf
 from npformer.attention import MultiHeadAttention
-from npformer.gradcheck import check_module
+from npformer.gradcheck import check_module, numerical_gradient, relative_error
 from npformer.losses import next_token_loss
 from npformer.models.llama import GroupedQueryAttention, llama_hf_state
 from npformer.sampling import generate
@@ -155,6 +155,19 @@ def test_model_gradients_match_finite_differences(tie):
     for name, p, g in model.named_parameters():
         loss = lambda: next_token_loss(model.forward(ids), ids)[0]  # noqa: E731
         assert _sampled_fd_error(loss, p, g) < 1e-5, name
+
+
+def test_two_block_model_gradients_match_finite_differences_at_every_coordinate():
+    """The chapter's check in full: the chapter samples sixteen coordinates of each array."""
+    model = _randomize(_model())
+    ids = _ids()
+    model.zero_grad()
+    _, dlogits = next_token_loss(model.forward(ids), ids)
+    model.backward(dlogits)
+    assert "lm_head.W" in [n for n, _, _ in model.named_parameters()]
+    for name, p, g in model.named_parameters():
+        num = numerical_gradient(lambda: next_token_loss(model.forward(ids), ids)[0], p)
+        assert relative_error(g, num) < 1e-7, name
 
 
 def test_no_biases_and_parameter_names():
