@@ -17,8 +17,8 @@ import pytest
 import npformer as npf
 from npformer.gradcheck import numerical_gradient, relative_error
 from npformer.rl import k3
-from npformer.softmax import log_softmax
 from npformer.sft import TokenLogProbs
+from npformer.softmax import log_softmax
 
 # --- the losses, on log-probs directly -------------------------------------------------
 
