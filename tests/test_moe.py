@@ -7,7 +7,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import npformer as npf
-from npformer.gradcheck import check_module
+from npformer.gradcheck import check_module, numerical_gradient, relative_error
 from npformer.losses import next_token_loss
 from npformer.models.llama import llama_hf_state
 from npformer.softmax import softmax
@@ -236,6 +236,22 @@ def test_model_objective_gradient_includes_the_aux_loss():
     model.backward(dlogits)
     for name, p, g in model.named_parameters():
         assert _sampled_fd_error(lambda: objective()[0], p, g) < 1e-5, name
+
+
+def test_model_objective_gradient_matches_finite_differences_at_every_coordinate():
+    """The chapter's check in full: the chapter samples sixteen coordinates of each array."""
+    model = _randomize(_llama(aux_loss_coef=0.5))
+    ids = np.random.default_rng(2).integers(0, 9, (2, 6))
+
+    def objective():
+        loss, dlogits = next_token_loss(model.forward(ids), ids)
+        return loss + 0.5 * model.aux_loss, dlogits
+
+    model.zero_grad()
+    _, dlogits = objective()
+    model.backward(dlogits)
+    for name, p, g in model.named_parameters():
+        assert relative_error(g, numerical_gradient(lambda: objective()[0], p)) < 1e-7, name
 
 
 def test_trainer_objective_adds_the_aux_term():
