@@ -123,6 +123,15 @@ def test_full_model_gradients_match_central_differences():
     assert max(errors.values()) < 1e-7
 
 
+def test_chapter_model_gradients_match_central_differences_at_every_coordinate():
+    """The chapter's model in full: the chapter samples sixteen coordinates of each array."""
+    model = _randomize(BERT(TINY, seed=0))
+    ids, mask = _batch(TINY)
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    errors = check_module(model, ids, mask, wrt_inputs=False, tol=1e-7)
+    assert set(errors) == {name for name, _, _ in model.named_parameters()}
+
+
 def test_gradients_with_dropout_token_types_and_untied_head_match_central_differences():
     cfg = dataclasses.replace(GRAD, n_layer=1, dropout=0.3, tie_head=False)
     model = _randomize(BERT(cfg, seed=0))
