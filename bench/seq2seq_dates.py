@@ -6,7 +6,7 @@ The full run quoted in the chapter:
         --out book/data/seq2seq_dates.json --weights book/data/seq2seq_dates.safetensors
 
 and the chapter's run of 1000 steps, the first steps of the same run evaluated every 250
-(the chapter re-runs its first 50 steps and reads the rest from these files):
+(the chapter re-runs its first 20 steps and reads the rest from these files):
 
     OPENBLAS_NUM_THREADS=1 python bench/seq2seq_dates.py --steps 1000 --eval-every 250 \
         --out book/data/seq2seq_dates_1000.json \
