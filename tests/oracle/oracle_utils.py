@@ -54,3 +54,16 @@ def assert_float32_no_worse(ours, theirs, truth, name: str, margin: float) -> No
     assert e_ours <= e_theirs + margin, (
         f"{name}: npformer's float32 error {e_ours:.2e} exceeds PyTorch's {e_theirs:.2e} "
         f"+ margin {margin:.0e}")
+
+
+def hf_to_ours(name: str) -> str:
+    """A GPT-2 parameter's Hugging Face name -> this book's:
+    'transformer.h.0.attn.c_attn.weight' -> 'h.0.attn.qkv.W' (the GPT chapter's table)."""
+    name = name.removeprefix("transformer.")
+    for theirs, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+                         ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")):
+        name = name.replace(theirs, ours)
+    prefix, leaf = name.rsplit(".", 1)
+    if prefix.split(".")[-1].startswith("ln_"):
+        return prefix + "." + {"weight": "gamma", "bias": "beta"}[leaf]
+    return prefix + "." + {"weight": "W", "bias": "b"}[leaf]

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from oracle_utils import REASON, assert_close, assert_float32_no_worse, float32_error
+from oracle_utils import REASON, assert_close, assert_float32_no_worse, float32_error, hf_to_ours
 
 torch = pytest.importorskip("torch", reason=REASON)
 transformers = pytest.importorskip("transformers", reason=REASON)
@@ -26,17 +26,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 V, N_POS, D, N_LAYER, N_HEAD = 37, 16, 12, 2, 3
 
-
-def _hf_to_ours(name: str) -> str:
-    """'transformer.h.0.attn.c_attn.weight' -> 'h.0.attn.qkv.W' (the chapter's table)."""
-    name = name.removeprefix("transformer.")
-    for theirs, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
-                         ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")):
-        name = name.replace(theirs, ours)
-    prefix, leaf = name.rsplit(".", 1)
-    if prefix.split(".")[-1].startswith("ln_"):
-        return prefix + "." + {"weight": "gamma", "bias": "beta"}[leaf]
-    return prefix + "." + {"weight": "W", "bias": "b"}[leaf]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +94,7 @@ def test_every_parameter_gradient_matches_torch_for_the_same_loss(gpt2_dir):
     tloss.backward()
 
     assert abs(loss - tloss.item()) < 1e-12
-    tgrads = {_hf_to_ours(n): p.grad for n, p in ref.named_parameters()}
+    tgrads = {hf_to_ours(n): p.grad for n, p in ref.named_parameters()}
     assert set(tgrads) == {name for name, _, _ in ours.named_parameters()}
     for name, _, g in ours.named_parameters():
         assert_close(g, tgrads[name], "d" + name)

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from oracle_utils import REASON, assert_close, t
+from oracle_utils import REASON, assert_close, hf_to_ours, t
 
 torch = pytest.importorskip("torch", reason=REASON)
 transformers = pytest.importorskip("transformers", reason=REASON)
@@ -27,17 +27,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 V, N_POS, D, N_LAYER, N_HEAD = 13, 16, 12, 2, 3
 F = torch.nn.functional
 
-
-def _hf_to_ours(name: str) -> str:
-    """'transformer.h.0.attn.c_attn.weight' -> 'h.0.attn.qkv.W' (the GPT chapter's table)."""
-    name = name.removeprefix("transformer.")
-    for theirs, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
-                         ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")):
-        name = name.replace(theirs, ours)
-    prefix, leaf = name.rsplit(".", 1)
-    if prefix.split(".")[-1].startswith("ln_"):
-        return prefix + "." + {"weight": "gamma", "bias": "beta"}[leaf]
-    return prefix + "." + {"weight": "W", "bias": "b"}[leaf]
 
 
 def _save_gpt2(path, seed: int):
@@ -75,7 +64,7 @@ def _batch(seed=2):
 
 
 def _grads(model):
-    return {_hf_to_ours(n): p.grad for n, p in model.named_parameters()}
+    return {hf_to_ours(n): p.grad for n, p in model.named_parameters()}
 
 
 def test_dpo_loss_and_every_policy_gradient_match_torch(dirs):
