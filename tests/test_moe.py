@@ -223,35 +223,31 @@ def test_aux_loss_is_mixtral_pooled_formula():
     assert dense.aux_loss == 0.0
 
 
-def test_model_objective_gradient_includes_the_aux_loss():
+def _aux_objective_gradients():
+    """A model whose loss adds its aux loss, that loss as a function, and its gradients."""
     model = _randomize(_llama(aux_loss_coef=0.5))
     ids = np.random.default_rng(2).integers(0, 9, (2, 6))
 
-    def objective():
-        loss, dlogits = next_token_loss(model.forward(ids), ids)
-        return loss + 0.5 * model.aux_loss, dlogits
+    def loss():
+        value, dlogits = next_token_loss(model.forward(ids), ids)
+        return value + 0.5 * model.aux_loss, dlogits
 
     model.zero_grad()
-    _, dlogits = objective()
-    model.backward(dlogits)
+    model.backward(loss()[1])
+    return model, lambda: loss()[0]
+
+
+def test_model_objective_gradient_includes_the_aux_loss():
+    model, loss = _aux_objective_gradients()
     for name, p, g in model.named_parameters():
-        assert _sampled_fd_error(lambda: objective()[0], p, g) < 1e-5, name
+        assert _sampled_fd_error(loss, p, g) < 1e-5, name
 
 
 def test_model_objective_gradient_matches_finite_differences_at_every_coordinate():
     """The chapter's check in full: the chapter samples sixteen coordinates of each array."""
-    model = _randomize(_llama(aux_loss_coef=0.5))
-    ids = np.random.default_rng(2).integers(0, 9, (2, 6))
-
-    def objective():
-        loss, dlogits = next_token_loss(model.forward(ids), ids)
-        return loss + 0.5 * model.aux_loss, dlogits
-
-    model.zero_grad()
-    _, dlogits = objective()
-    model.backward(dlogits)
+    model, loss = _aux_objective_gradients()
     for name, p, g in model.named_parameters():
-        assert relative_error(g, numerical_gradient(lambda: objective()[0], p)) < 1e-7, name
+        assert relative_error(g, numerical_gradient(loss, p)) < 1e-7, name
 
 
 def test_trainer_objective_adds_the_aux_term():

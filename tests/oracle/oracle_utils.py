@@ -67,3 +67,23 @@ def hf_to_ours(name: str) -> str:
     if prefix.split(".")[-1].startswith("ln_"):
         return prefix + "." + {"weight": "gamma", "bias": "beta"}[leaf]
     return prefix + "." + {"weight": "W", "bias": "b"}[leaf]
+
+
+def save_random_gpt2(path, seed: int, *, vocab_size: int, n_positions: int, n_embd: int,
+                     n_layer: int, n_head: int, std: float = 0.3):
+    """A GPT2LMHeadModel with every parameter drawn N(0, std^2), LayerNorms included, saved
+    as safetensors in path; returns path. Needs torch and transformers."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(vocab_size=vocab_size, n_positions=n_positions,
+                                  n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, std)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+

@@ -13,7 +13,14 @@ import os
 
 import numpy as np
 import pytest
-from oracle_utils import REASON, assert_close, assert_float32_no_worse, float32_error, hf_to_ours
+from oracle_utils import (
+    REASON,
+    assert_close,
+    assert_float32_no_worse,
+    float32_error,
+    hf_to_ours,
+    save_random_gpt2,
+)
 
 torch = pytest.importorskip("torch", reason=REASON)
 transformers = pytest.importorskip("transformers", reason=REASON)
@@ -31,16 +38,8 @@ V, N_POS, D, N_LAYER, N_HEAD = 37, 16, 12, 2, 3
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory):
     """A random GPT2LMHeadModel (every parameter random, LayerNorms included), saved."""
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=V, n_positions=N_POS, n_embd=D, n_layer=N_LAYER,
-                                  n_head=N_HEAD, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    path = tmp_path_factory.mktemp("gpt2")
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random_gpt2(tmp_path_factory.mktemp("gpt2"), 0, vocab_size=V, n_positions=N_POS,
+                            n_embd=D, n_layer=N_LAYER, n_head=N_HEAD)
 
 
 def _torch_reference(path):

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from oracle_utils import REASON, assert_close, hf_to_ours, t
+from oracle_utils import REASON, assert_close, hf_to_ours, save_random_gpt2, t
 
 torch = pytest.importorskip("torch", reason=REASON)
 transformers = pytest.importorskip("transformers", reason=REASON)
@@ -30,15 +30,8 @@ F = torch.nn.functional
 
 
 def _save_gpt2(path, seed: int):
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=V, n_positions=N_POS, n_embd=D, n_layer=N_LAYER,
-                                  n_head=N_HEAD, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random_gpt2(path, seed, vocab_size=V, n_positions=N_POS, n_embd=D,
+                            n_layer=N_LAYER, n_head=N_HEAD)
 
 
 @pytest.fixture(scope="module")
