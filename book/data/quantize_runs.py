@@ -16,7 +16,8 @@ from the training split only (seed 0), passed through the model as quantized so 
 Each model is scored on the whole validation split, cut into windows of 64 characters
 as book/gpt.md cuts it: the log keeps each window's mean loss in nats, so that the
 chapter can compute paired intervals. The log also keeps the bytes each model stores,
-the time the quantization took and the time of one forward pass.
+the time the quantization took, and the time of a forward pass over 16 windows and
+over a single token, float32 against the int8 and int4 layouts.
 
 The fine-tuned addition model of book/sft.md (book/data/addition_sft.safetensors) is
 quantized to 4 bits in groups of 32 (its d_model is 96) by RTN and by GPTQ, with
@@ -84,13 +85,22 @@ def window_nats(model, x: np.ndarray, y: np.ndarray, batch: int = 64) -> np.ndar
     return np.concatenate(out)
 
 
-def forward_seconds(model, x: np.ndarray, repeats: int = 5) -> float:
-    best = np.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model.forward(x)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def timings(x: np.ndarray, rounds: int = 40) -> dict:
+    """Seconds of a forward pass over 16 windows and over one token, float32 against the
+    int8 and int4 (g64) layouts: the models take turns, round after round, so that a
+    busy machine slows them alike; the fastest and the median of the rounds."""
+    models = {"float32": npf.load(GPT_PATH).eval(),
+              "int8": quantize_model(npf.load(GPT_PATH).eval(), 8, None, "rtn"),
+              "int4 g64": quantize_model(npf.load(GPT_PATH).eval(), 4, 64, "rtn")}
+    inputs = {"16 windows": x[:16], "1 token": x[:1, :1]}
+    seconds = {(m, i): [] for m in models for i in inputs}
+    for _ in range(rounds):
+        for (m, i), times in seconds.items():
+            t0 = time.perf_counter()
+            models[m].forward(inputs[i])
+            times.append(time.perf_counter() - t0)
+    return {m: {i: {"min": min(seconds[m, i]), "median": float(np.median(seconds[m, i]))}
+                for i in inputs} for m in models}
 
 
 def gpt_runs() -> dict:
@@ -116,7 +126,6 @@ def gpt_runs() -> dict:
                "group_size": None if scheme is None else scheme[2],
                "symmetric": None if scheme is None else scheme[3],
                "quantize_seconds": round(seconds, 2),
-               "forward_seconds": round(forward_seconds(model, x_val[:16]), 4),
                "bytes_total": stored_bytes(model), "bytes_linear_weights": int(linear),
                "val_nats": float(nats.mean()),
                "window_nats": [round(float(v), 7) for v in nats]}
@@ -127,7 +136,7 @@ def gpt_runs() -> dict:
         if scheme == SAVE_SCHEME:
             save_quantized(model, SAVED, overwrite=True)
     return {"calibration_windows": CALIB, "window": T, "val_windows": len(x_val),
-            "val_chars": int(y_val.size), "runs": rows}
+            "val_chars": int(y_val.size), "runs": rows, "timings": timings(x_val)}
 
 
 def addition_runs() -> dict:
