@@ -333,3 +333,8 @@ def test_sample_with_temperature_0_is_greedy_decoding(corpus, tmp_path, capsys):
         nxt = ck.model.forward(ids[:, -ck.model.config.block_size:])[:, -1].argmax(-1)
         ids = np.concatenate([ids, nxt[:, None]], axis=1)
     assert outs[0] == tok.decode(ids[0]) + "\n"
+
+
+def test_serve_names_a_missing_run(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nothing")]) == 2
+    assert "run: expected a run folder holding ckpt.safetensors" in capsys.readouterr().err
