@@ -75,6 +75,23 @@ def test_speculative_law_equals_target_law_to_1e12(gamma, zeros):
     assert max(abs(law.get(s, 0.0) - ref[s]) for s in ref) < 1e-12
 
 
+def test_the_check_catches_a_naive_rule_that_resamples_from_the_target():
+    """Keep a draft when p >= p_draft, else draw from p itself: its law is not p."""
+    rng = np.random.default_rng(3)
+    worst = 0.0
+    for _ in range(20):
+        p, q = rng.dirichlet(np.ones(3), size=2)
+        keep = p >= q
+        naive = q * keep + q[~keep].sum() * p
+        worst = max(worst, np.abs(naive - p).max())
+        exact = np.zeros(3)
+        for v in range(3):
+            for out, prob in verify_distribution(np.stack([p, p]), q[None], [v]).items():
+                exact[out[0]] += q[v] * prob
+        np.testing.assert_allclose(exact, p, rtol=0, atol=1e-15)
+    assert worst > 0.05
+
+
 def test_the_one_token_lemma_holds_for_any_pair_of_distributions():
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -145,7 +162,7 @@ def test_sampled_acceptance_matches_its_exact_expectation():
     q /= q.sum()
     gamma, beta = 4, acceptance_probability(p, q)
     kept, tokens = [], []
-    for seed in range(100):
+    for seed in range(60):
         out, st = speculative_generate(ContextFree(p), ContextFree(q), [[0]], 63,
                                        gamma=gamma, seed=seed)
         kept += [n for n, g in zip(st.accepted, st.drafted) if g == gamma]
@@ -185,7 +202,7 @@ def test_greedy_speculative_equals_plain_greedy_decoding_on_the_book_gpt(baby):
     target, tok, train_ids, val_ids = baby
     drafts = [NGramDraft(train_ids, tok.vocab_size, order=5),
               npf.load(DATA / "speculative_draft.safetensors").eval()]
-    for s in (500, 23000, 41000):
+    for s in (500, 41000):
         prompt = val_ids[None, s:s + 8]
         ref = npf.generate(target, prompt, 48, temperature=0)
         for draft, gamma in itertools.product(drafts, (2, 5)):
