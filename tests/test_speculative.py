@@ -202,10 +202,10 @@ def test_greedy_speculative_equals_plain_greedy_decoding_on_the_book_gpt(baby):
     target, tok, train_ids, val_ids = baby
     drafts = [NGramDraft(train_ids, tok.vocab_size, order=5),
               npf.load(DATA / "speculative_draft.safetensors").eval()]
-    for s in (500, 41000):
+    for s in (500, 23000, 41000):
         prompt = val_ids[None, s:s + 8]
         ref = npf.generate(target, prompt, 48, temperature=0)
-        for draft, gamma in itertools.product(drafts, (2, 5)):
+        for draft, gamma in itertools.product(drafts, (1, 4, 8)):
             out, st = speculative_generate(target, draft, prompt, 48, gamma=gamma,
                                            temperature=0)
             np.testing.assert_array_equal(out, ref)
@@ -254,3 +254,17 @@ def test_bad_inputs_raise_errors_that_name_the_argument(baby):
         NGramDraft(np.array([0, 1, 200]), 103)
     with pytest.raises(ValueError, match="order"):
         NGramDraft(np.arange(10), 10, order=0)
+
+
+def test_a_llama_target_rolls_back_its_rotary_cache_too():
+    """The Llama's cache positions its rotary embeddings by the cache length: greedy
+    speculation with any draft still writes its greedy text."""
+    llama = npf.load(DATA / "part4_llama_pydoc.safetensors").eval()
+    V = llama.config.vocab_size
+    draft = NGramDraft(np.arange(3000) % (V - 2), V, order=3)  # a poor draft: many rejections
+    prompt = np.arange(5, 13)[None]
+    ref = npf.generate(llama, prompt, 40, temperature=0)
+    for gamma in (1, 3, 6):
+        out, st = speculative_generate(llama, draft, prompt, 40, gamma=gamma, temperature=0)
+        np.testing.assert_array_equal(out, ref)
+        assert sum(n < g for n, g in zip(st.accepted, st.drafted)) > 0  # rollbacks happened
