@@ -269,19 +269,10 @@ def test_a_client_that_goes_away_cancels_its_request(baby):
         assert len(alloc.free) == alloc.num_blocks
 
 
-LAUNCH = """import argparse, sys
-from npformer.server import add_serve_command
-parser = argparse.ArgumentParser(prog="npformer")
-add_serve_command(parser.add_subparsers(dest="command", required=True))
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
-"""
-
-
 def test_sigterm_finishes_every_accepted_request_then_exits_0():
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, "serve", str(BABY), "--port", "0", "--max-batch",
+        [sys.executable, "-m", "npformer", "serve", str(BABY), "--port", "0", "--max-batch",
          "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
