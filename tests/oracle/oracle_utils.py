@@ -11,6 +11,8 @@ are pure rounding: outputs and gradients must agree to ``RTOL = 1e-10``
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 REASON = "PyTorch is not installed: pip install -e '.[oracle]' to run the parity tests"
@@ -87,3 +89,44 @@ def save_random_gpt2(path, seed: int, *, vocab_size: int, n_positions: int, n_em
     model.save_pretrained(path, safe_serialization=True)
     return path
 
+
+
+def torch_gpt_logprobs(P, ids, *, n_layer: int, n_head: int, pos=None, allowed=None):
+    """Token log-probabilities (B, T-1) of a GPT (LayerNorm, exact GELU) in torch.
+
+    P maps the library's parameter names to tensors; ids (B, T) are token ids. pos (B, T)
+    gives each token's position (default 0 .. T-1) and allowed (B, T, T) which keys each
+    query may see (default the causal rule): the packed rows of supervised fine-tuning
+    restart both.
+    """
+    import torch
+
+    ids = torch.as_tensor(ids)
+    x_ids, y = ids[:, :-1], ids[:, 1:]
+    B, T = x_ids.shape
+    where = torch.arange(T) if pos is None else torch.as_tensor(pos)[:, :-1]
+    keep = (torch.tril(torch.ones(T, T, dtype=torch.bool)) if allowed is None
+            else torch.as_tensor(allowed)[:, None, :T, :T])  # (T, T) or (B, 1, T, T)
+    x = P["wte.W"][x_ids] + P["wpe.W"][where]
+    d = x.shape[-1]
+    dh = d // n_head
+
+    def ln(h, pre):
+        mu = h.mean(-1, keepdim=True)
+        var = ((h - mu) ** 2).mean(-1, keepdim=True)
+        return (h - mu) / torch.sqrt(var + 1e-5) * P[pre + ".gamma"] + P[pre + ".beta"]
+
+    def lin(h, pre):
+        return h @ P[pre + ".W"] + P[pre + ".b"]
+
+    for k in range(n_layer):
+        pre = f"h.{k}"
+        q, kk, v = lin(ln(x, pre + ".ln_1"), pre + ".attn.qkv").split(d, dim=-1)
+        q, kk, v = (a.reshape(B, T, n_head, dh).transpose(1, 2) for a in (q, kk, v))
+        s = (q @ kk.transpose(-1, -2) / math.sqrt(dh)).masked_fill(~keep, float("-inf"))
+        a = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, d)
+        x = x + lin(a, pre + ".attn.proj")
+        h = torch.nn.functional.gelu(lin(ln(x, pre + ".ln_2"), pre + ".mlp.fc"))
+        x = x + lin(h, pre + ".mlp.proj")
+    logits = ln(x, "ln_f") @ P["wte.W"].T
+    return torch.log_softmax(logits, -1).gather(-1, y[..., None])[..., 0]

@@ -14,11 +14,10 @@ agree to 1e-12.
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 import pytest
-from oracle_utils import REASON, assert_close, t
+from oracle_utils import REASON, assert_close, t, torch_gpt_logprobs
 
 torch = pytest.importorskip("torch", reason=REASON)
 
@@ -34,36 +33,6 @@ def _model(vocab_size, block_size, n_layer, d_model, scale, seed=0):
     for _, p, _ in model.named_parameters():
         p += rng.standard_normal(p.shape) * scale
     return model
-
-
-def _torch_lp(P, ids, n_layer, n_head=2):
-    """Token log-probs (B, T-1) of a GPT with parameters P (name -> tensor)."""
-    x_ids, y = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
-    B, T = x_ids.shape
-    x = P["wte.W"][x_ids] + P["wpe.W"][:T]
-    d = x.shape[-1]
-    dh = d // n_head
-    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
-
-    def ln(h, pre):
-        mu = h.mean(-1, keepdim=True)
-        var = ((h - mu) ** 2).mean(-1, keepdim=True)
-        return (h - mu) / torch.sqrt(var + 1e-5) * P[pre + ".gamma"] + P[pre + ".beta"]
-
-    def lin(h, pre):
-        return h @ P[pre + ".W"] + P[pre + ".b"]
-
-    for k in range(n_layer):
-        pre = f"h.{k}"
-        q, kk, v = lin(ln(x, pre + ".ln_1"), pre + ".attn.qkv").split(d, dim=-1)
-        q, kk, v = (a.reshape(B, T, n_head, dh).transpose(1, 2) for a in (q, kk, v))
-        s = (q @ kk.transpose(-1, -2) / math.sqrt(dh)).masked_fill(~causal, float("-inf"))
-        a = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, d)
-        x = x + lin(a, pre + ".attn.proj")
-        h = torch.nn.functional.gelu(lin(ln(x, pre + ".ln_2"), pre + ".mlp.fc"))
-        x = x + lin(h, pre + ".mlp.proj")
-    logits = ln(x, "ln_f") @ P["wte.W"].T
-    return torch.log_softmax(logits, -1).gather(-1, y[..., None])[..., 0]
 
 
 def _torch_grpo(lp, old_lp, ref_lp, mask, adv, clip, beta, length_norm):
@@ -99,7 +68,7 @@ def test_grpo_loss_and_gradients_match_autograd(length_norm):
     assert np.any(r > 1.2) and np.any(r < 0.8)
 
     P = {n: t(p, grad=True) for n, p, _ in model.named_parameters()}
-    tl = _torch_lp(P, ro.ids, n_layer=2)
+    tl = torch_gpt_logprobs(P, ro.ids, n_layer=2, n_head=2)
     tloss = _torch_grpo(tl, old_lp, ref_lp, ro.mask, adv, 0.2, 0.1, length_norm)
     tloss.backward()
     assert_close(lp, tl, "lp")
@@ -124,7 +93,7 @@ def test_mean_of_the_estimator_is_the_autograd_gradient_of_the_expected_reward()
         mean = mean - pi[o] * np.concatenate([g.ravel() for _, _, g in
                                               model.named_parameters()])
     P = {n: t(p, grad=True) for n, p, _ in model.named_parameters()}
-    J = (torch.exp(_torch_lp(P, ids, n_layer=1).sum(1)) * t(reward)).sum()
+    J = (torch.exp(torch_gpt_logprobs(P, ids, n_layer=1, n_head=2).sum(1)) * t(reward)).sum()
     J.backward()
     exact = torch.cat([P[n].grad.reshape(-1) for n, _, _ in model.named_parameters()])
     assert_close(mean, exact, "grad J", rtol=1e-12, atol=1e-13)

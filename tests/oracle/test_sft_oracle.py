@@ -10,11 +10,9 @@ positions, block-diagonal causal mask).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
-from oracle_utils import REASON, assert_close, t
+from oracle_utils import REASON, assert_close, t, torch_gpt_logprobs
 
 torch = pytest.importorskip("torch", reason=REASON)
 
@@ -37,37 +35,6 @@ def _rows(n=7):
     tok = npf.add_special_tokens(npf.CharTokenizer(Addition.alphabet), SPECIAL_TOKENS)
     template = npf.ChatTemplate(tok)
     return [template.render(p.prompt, p.answer) for p in Addition().sample(n, seed=3)]
-
-
-def _torch_lp(P, ids, pos, allowed, n_head):
-    """Token log-probs (B, T-1) of a GPT with parameters P (name -> tensor)."""
-    x_ids, y = ids[:, :-1], ids[:, 1:]
-    T = x_ids.shape[1]
-    x = P["wte.W"][x_ids] + P["wpe.W"][pos[:, :-1]]
-    keep = allowed[:, None, :T, :T]  # (B, 1, T, T)
-
-    def ln(h, pre):
-        mu = h.mean(-1, keepdim=True)
-        var = ((h - mu) ** 2).mean(-1, keepdim=True)
-        return (h - mu) / torch.sqrt(var + 1e-5) * P[pre + ".gamma"] + P[pre + ".beta"]
-
-    def lin(h, pre):
-        return h @ P[pre + ".W"] + P[pre + ".b"]
-
-    B, d = x.shape[0], x.shape[-1]
-    dh = d // n_head
-    for k in range(2):
-        pre = f"h.{k}"
-        q, kk, v = lin(ln(x, pre + ".ln_1"), pre + ".attn.qkv").split(d, dim=-1)
-        q, kk, v = (a.reshape(B, T, n_head, dh).transpose(1, 2) for a in (q, kk, v))
-        s = q @ kk.transpose(-1, -2) / math.sqrt(dh)
-        s = s.masked_fill(~keep, float("-inf"))
-        a = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, d)
-        x = x + lin(a, pre + ".attn.proj")
-        h = torch.nn.functional.gelu(lin(ln(x, pre + ".ln_2"), pre + ".mlp.fc"))
-        x = x + lin(h, pre + ".mlp.proj")
-    logits = ln(x, "ln_f") @ P["wte.W"].T
-    return torch.log_softmax(logits, -1).gather(-1, y[..., None])[..., 0]
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -93,8 +60,8 @@ def test_masked_sft_loss_matches_autograd(packed):
     else:
         pos = np.broadcast_to(np.arange(T), ids.shape)
         allowed = np.broadcast_to(causal, (len(ids), T, T))
-    lp_t = _torch_lp(P, torch.tensor(ids), torch.tensor(np.array(pos)),
-                     torch.tensor(np.array(allowed)), n_head=2)
+    lp_t = torch_gpt_logprobs(P, ids, n_layer=2, n_head=2, pos=np.array(pos),
+                              allowed=np.array(allowed))
     m = t(mask[:, 1:])
     loss_t = -(m * lp_t).sum() / m.sum()
     loss_t.backward()
